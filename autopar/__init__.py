@@ -1,0 +1,20 @@
+"""autopar: automatic parallelisation of PyTorch training steps.
+
+Capture a single-device model's training step as a graph, predict and choose how to spread it
+over a cluster, and run it on torch.distributed.
+"""
+
+from autopar import models
+from autopar.capture import TrainingGraph, capture
+from autopar.errors import AutoparError, CaptureError, InputError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoparError",
+    "CaptureError",
+    "InputError",
+    "TrainingGraph",
+    "capture",
+    "models",
+]

@@ -1,0 +1,383 @@
+"""Measure this machine for the cost model: matmul FLOP/s, memory bandwidth, per-op floor, and
+collective latency / bus bandwidth over local gloo ranks.
+
+``calibrate()`` writes one JSON file (``$AUTOPAR_CALIBRATION`` or
+``~/.cache/autopar/calibration.json``) that ``cost.Cluster.local()`` reads. Its top-level format
+is a contract with that reader and must not change shape::
+
+    {"version": 1, "host": str, "date": ISO-8601, "torch": str, "world_size": int,
+     "matmul_flops": {"fp32": FLOP/s, "bf16": FLOP/s},
+     "memory_bw": bytes/s, "kernel_floor_s": s,
+     "collectives": {kind: {"latency_s": s, "busbw": bytes/s}
+                     for kind in all_reduce, all_gather, reduce_scatter, all_to_all, send_recv},
+     "raw": {... every individual measurement ...}}
+
+Collective times follow the nccl-tests conventions so the numbers are comparable with the
+published ones the cost model also uses: the time of a collective on a K-byte tensor is modelled
+as ``latency_s + factor * K / busbw`` with ``factor`` = 2(n-1)/n for all-reduce, (n-1)/n for
+all-gather / reduce-scatter / all-to-all and 1 for point-to-point, where K is the full tensor
+(the all-reduce operand, the all-gather output, the reduce-scatter input).
+
+Only torch, the standard library and ``runtime.launch`` are imported here, so that importing
+this module (also done by every spawned rank) stays cheap and free of the solver's dependencies.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.launch import spawn
+
+__all__ = ["COLLECTIVES", "calibrate", "default_calibration_path", "format_calibration"]
+
+CALIBRATION_VERSION = 1
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+)
+
+_KB = 1024
+_MB = 1024 * 1024
+
+Progress = Callable[[str], Any] | None
+
+
+def default_calibration_path() -> Path:
+    """Where the calibration lives: ``$AUTOPAR_CALIBRATION`` or ``~/.cache/autopar/calibration.json``."""
+    env = os.environ.get("AUTOPAR_CALIBRATION")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "autopar" / "calibration.json"
+
+
+def _bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' busbw factor: bytes each link carries per byte of the full tensor."""
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if kind == "send_recv":
+        return 1.0
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _timed(fn: Callable[[], Any], warmup: int, repeats: int, inner: int = 1) -> list[float]:
+    """Seconds per call of ``fn`` over ``repeats`` samples, each averaging ``inner`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return times
+
+
+# --- single-process measurements ------------------------------------------------------------
+
+
+def _measure_matmul(quick: bool, say: Callable[[str], None]) -> tuple[dict[str, float], list]:
+    """Median FLOP/s of square ``mm`` per dtype; the best size counts (the achievable peak)."""
+    sizes = (
+        {"fp32": (1024,), "bf16": (512,)} if quick else {"fp32": (1024, 2048), "bf16": (512, 1024)}
+    )
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    warmup, repeats = (1, 3) if quick else (2, 7)
+    best: dict[str, float] = {}
+    raw = []
+    gen = torch.Generator().manual_seed(0)
+    for name, ns in sizes.items():
+        for n in ns:
+            a = torch.randn(n, n, generator=gen).to(dtypes[name])
+            b = torch.randn(n, n, generator=gen).to(dtypes[name])
+            c = torch.empty(n, n, dtype=dtypes[name])
+            times = _timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), warmup, repeats)
+            med = statistics.median(times)
+            flops = 2.0 * n**3 / med
+            best[name] = max(best.get(name, 0.0), flops)
+            raw.append({"dtype": name, "n": n, "times_s": times, "median_s": med, "flops": flops})
+            say(f"matmul {name} {n}: {flops / 1e9:.1f} GFLOP/s")
+    return best, raw
+
+
+def _measure_memory_bw(quick: bool, say: Callable[[str], None]) -> tuple[float, dict]:
+    """Bytes/s of a large ``copy_``, counting the bytes read plus the bytes written."""
+    nbytes = (64 if quick else 256) * _MB
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    # Written once up front so page faults of first touch are not timed.
+    dst = torch.zeros_like(src)
+    warmup, repeats = (1, 3) if quick else (1, 5)
+    times = _timed(lambda: dst.copy_(src), warmup, repeats)
+    med = statistics.median(times)
+    bw = 2.0 * nbytes / med
+    say(f"memory copy {nbytes // _MB} MB: {bw / 1e9:.1f} GB/s (read + write)")
+    return bw, {
+        "bytes_copied": nbytes,
+        "bytes_moved": 2 * nbytes,
+        "times_s": times,
+        "median_s": med,
+    }
+
+
+def _measure_kernel_floor(quick: bool, say: Callable[[str], None]) -> tuple[float, dict]:
+    """Median seconds of a tiny eager op: the fixed per-op cost that no FLOP count explains."""
+    a = torch.ones(16)
+    b = torch.ones(16)
+    # Batches amortise the timer's own overhead; the median rejects scheduler hiccups.
+    inner, repeats = (100, 20) if quick else (200, 50)
+    times = _timed(lambda: torch.add(a, b), warmup=2 * inner, repeats=repeats, inner=inner)
+    med = statistics.median(times)
+    say(f"kernel floor (add of 16 floats): {med * 1e6:.2f} us")
+    return med, {"op": "add 16 fp32", "inner": inner, "times_s": times, "median_s": med}
+
+
+# --- collectives (run on spawned gloo ranks) --------------------------------------------------
+
+
+def _collective_worker(
+    rank: int, world_size: int, sizes: Sequence[int], warmup: int, repeats: int
+) -> dict[str, list[dict[str, float]]]:
+    """Per rank: median seconds of each collective at each size (run by ``runtime.launch.spawn``)."""
+    import torch.distributed as dist
+
+    n = world_size
+    out: dict[str, list[dict[str, float]]] = {}
+    for kind in COLLECTIVES:
+        rows = []
+        for size in sizes:
+            # Full-tensor element count, divisible by n so every shard is equal.
+            numel = max(n, (size // 4) // n * n)
+            full = torch.ones(numel)
+            shard = torch.ones(numel // n)
+            if kind == "all_reduce":
+                op = lambda full=full: dist.all_reduce(full)  # noqa: E731
+            elif kind == "all_gather":
+                op = lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard)  # noqa: E731
+            elif kind == "reduce_scatter":
+                op = lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full)  # noqa: E731
+            elif kind == "all_to_all":
+                dst = torch.empty_like(full)
+                op = lambda full=full, dst=dst: dist.all_to_all_single(dst, full)  # noqa: E731
+            else:  # send_recv: rank 0 -> rank 1, the others idle (their ~0 s loses the max)
+                if rank == 0:
+                    op = lambda full=full: dist.send(full, dst=1)  # noqa: E731
+                elif rank == 1:
+                    op = lambda full=full: dist.recv(full, src=0)  # noqa: E731
+                else:
+                    op = lambda: None  # noqa: E731
+            # Small messages are timed in batches after one barrier: a single 4 KB op is
+            # shorter than the skew with which ranks leave the barrier.
+            inner = 10 if size <= 64 * _KB else 1
+            for _ in range(warmup):
+                op()
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    op()
+                times.append((time.perf_counter() - t0) / inner)
+            rows.append({"bytes": numel * 4, "median_s": statistics.median(times)})
+        out[kind] = rows
+    dist.barrier()
+    return out
+
+
+def _fit_latency_busbw(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
+    """Fit ``t = latency + x / busbw`` (x = factor * K bytes); return (latency_s >= 0, busbw).
+
+    Least squares on the relative error (weights 1/t^2): plain least squares lets the
+    milliseconds of the 16 MB points swamp the microseconds that determine the latency.
+    """
+    ws = [1.0 / (t * t) for t in ts]
+    sw = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs))
+    st = sum(w * t for w, t in zip(ws, ts))
+    sxx = sum(w * x * x for w, x in zip(ws, xs))
+    sxt = sum(w * x * t for w, x, t in zip(ws, xs, ts))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxt - sx * st) / det if det > 0 else 0.0
+    latency = (st - slope * sx) / sw if det > 0 else min(ts)
+    if latency < 0:
+        # A negative intercept is noise; clamp it and refit the slope through the origin.
+        latency = 0.0
+        slope = sxt / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        # Large messages no slower than small ones (noise-dominated): report the best
+        # bandwidth actually observed rather than an infinite one.
+        return latency, max(x / t for x, t in zip(xs, ts))
+    return latency, 1.0 / slope
+
+
+def _measure_collectives(
+    n: int, quick: bool, say: Callable[[str], None]
+) -> tuple[dict[str, dict[str, float]], dict]:
+    sizes = [4 * _KB, 1 * _MB, 4 * _MB] if quick else [4 * _KB, 1 * _MB, 4 * _MB, 16 * _MB]
+    warmup, repeats = (1, 3) if quick else (2, 5)
+    say(f"collectives: starting {n} gloo ranks ...")
+    t0 = time.perf_counter()
+    per_rank = spawn(
+        _collective_worker, n, args=(sizes, warmup, repeats), timeout_s=60.0 if quick else 180.0
+    )
+    say(f"collectives: measured in {time.perf_counter() - t0:.1f} s (start-up included)")
+    fitted: dict[str, dict[str, float]] = {}
+    raw: dict[str, Any] = {"sizes_requested": sizes, "warmup": warmup, "repeats": repeats}
+    for kind in COLLECTIVES:
+        factor = _bus_factor(kind, n)
+        rows = []
+        for i in range(len(sizes)):
+            k = per_rank[0][kind][i]["bytes"]
+            ranks = [r[kind][i]["median_s"] for r in per_rank]
+            # The collective is done when its slowest rank is.
+            rows.append(
+                {"bytes": k, "bus_bytes": factor * k, "time_s": max(ranks), "per_rank_s": ranks}
+            )
+        latency, busbw = _fit_latency_busbw(
+            [r["bus_bytes"] for r in rows], [max(r["time_s"], 1e-9) for r in rows]
+        )
+        # A clamped 0 would read as "free small messages" and breaks ratios/logs downstream;
+        # 1 ns is far below anything measurable here, so it changes no prediction.
+        latency = max(latency, 1e-9)
+        fitted[kind] = {"latency_s": latency, "busbw": busbw}
+        raw[kind] = {"factor": factor, "points": rows}
+        say(f"{kind} x{n}: latency {latency * 1e6:.1f} us, busbw {busbw / 1e9:.2f} GB/s")
+    return fitted, raw
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+def calibrate(
+    world_sizes: Sequence[int] = (2, 4),
+    path: str | os.PathLike[str] | None = None,
+    quick: bool = False,
+    progress: Progress = print,
+) -> dict[str, Any]:
+    """Measure this machine, write the calibration JSON and return it as a dict.
+
+    Args:
+        world_sizes: collective benchmarks use ``max(world_sizes)`` gloo ranks (capped at 2 when
+            ``quick``); must be >= 2.
+        path: output file; default ``$AUTOPAR_CALIBRATION`` or
+            ``~/.cache/autopar/calibration.json``. Parent directories are created.
+        quick: fewer sizes and repeats (~15 s instead of ~45 s on a 2-core machine).
+        progress: called with one short human-readable line per measurement; ``None`` = silent.
+
+    Returns:
+        The calibration (see the module docstring for the format); also written to ``path``.
+    """
+    say: Callable[[str], None] = progress if progress is not None else (lambda _line: None)
+    n = max(world_sizes)
+    if quick:
+        n = min(n, 2)
+    if n < 2:
+        raise ValueError(f"collectives need at least 2 ranks, got world_sizes={tuple(world_sizes)}")
+    out_path = Path(path).expanduser() if path is not None else default_calibration_path()
+    start = time.perf_counter()
+
+    # Threads left at torch's default on purpose: the cost model wants what a single process
+    # gets here, and we record what that was.
+    threads = torch.get_num_threads()
+    say(f"compute: torch {torch.__version__}, {threads} intra-op threads")
+    matmul, matmul_raw = _measure_matmul(quick, say)
+    memory_bw, memory_raw = _measure_memory_bw(quick, say)
+    floor, floor_raw = _measure_kernel_floor(quick, say)
+    collectives, coll_raw = _measure_collectives(n, quick, say)
+
+    data: dict[str, Any] = {
+        "version": CALIBRATION_VERSION,
+        "host": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "world_size": n,
+        "matmul_flops": matmul,
+        "memory_bw": memory_bw,
+        "kernel_floor_s": floor,
+        "collectives": collectives,
+        "raw": {
+            "quick": quick,
+            "threads": {
+                "intra_op": threads,
+                "inter_op": torch.get_num_interop_threads(),
+                "collective_ranks_omp": 1,
+                "cpu_count": os.cpu_count(),
+            },
+            "matmul": matmul_raw,
+            "memory_bw": memory_raw,
+            "kernel_floor": floor_raw,
+            "collectives": coll_raw,
+            "wall_s": time.perf_counter() - start,
+        },
+    }
+    _write_json(out_path, data)
+    say(f"wrote {out_path} ({data['raw']['wall_s']:.1f} s)")
+    return data
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically, so a reader never sees half a file (or a crash leaves the old one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}{unit}"
+    return f"{value:.2f} {unit}"
+
+
+def _seconds(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    if value >= 1:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.2f} us"
+
+
+def format_calibration(data: dict[str, Any]) -> str:
+    """Render a calibration dict (as returned or loaded from JSON) as a small readable table."""
+    threads = data.get("raw", {}).get("threads", {}).get("intra_op", "?")
+    lines = [
+        f"autopar calibration v{data.get('version')}: host {data.get('host')}, "
+        f"torch {data.get('torch')}, {data.get('date')}",
+        "",
+        f"compute ({threads} threads)",
+    ]
+    for dtype, flops in data.get("matmul_flops", {}).items():
+        lines.append(f"  {'matmul ' + dtype:<22}{_si(flops, 'FLOP/s'):>16}")
+    lines.append(f"  {'memory bandwidth':<22}{_si(data['memory_bw'], 'B/s'):>16}")
+    lines.append(f"  {'kernel floor':<22}{_seconds(data['kernel_floor_s']):>16}")
+    lines.append("")
+    lines.append(
+        f"{'collectives (' + str(data.get('world_size')) + ' ranks)':<24}{'latency':>14}{'busbw':>14}"
+    )
+    for kind, c in data.get("collectives", {}).items():
+        lines.append(f"  {kind:<22}{_seconds(c['latency_s']):>14}{_si(c['busbw'], 'B/s'):>14}")
+    return "\n".join(lines)

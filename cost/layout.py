@@ -1,0 +1,137 @@
+"""A parallel layout: the degrees and recipes a person would write by hand.
+
+`Layout` is plain data shared by the cost model, the solver and the runtime. Degrees multiply to
+the world size as ``dp * cp * pp * tp``; expert parallelism (``ep``) reuses the data-parallel
+ranks for the experts (as torchtitan and Megatron do), so it must divide ``dp * cp``.
+
+Rank order in the process grid follows the playbook: TP innermost (contiguous ranks on one
+node), then CP, then PP, then DP outermost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp8")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be run: the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees and recipes of one parallel training step.
+
+    dp, tp, pp, cp, ep: data, tensor, pipeline, context and expert parallel degrees.
+    zero: ZeRO stage 0-3 over the data-parallel ranks (optimizer state, +grads, +weights).
+    sp: sequence parallelism inside the TP group (norms and residuals sharded on sequence).
+    microbatch: sequences per micro-batch on one data-parallel rank.
+    grad_accum: micro-batches per step on one data-parallel rank (pipeline micro-batches too).
+    schedule: pipeline schedule, one of SCHEDULES; virtual_stages: chunks per rank (interleaved).
+    recompute: activation recomputation, one of RECOMPUTE.
+    precision: compute precision of matmuls, one of PRECISIONS (fp8 keeps bf16 elsewhere).
+    fp32_grad_accum: keep an fp32 gradient buffer (nanotron's default; +4 bytes per parameter).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    microbatch: int = 1
+    grad_accum: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    precision: str = "bf16"
+    fp32_grad_accum: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep", "microbatch", "grad_accum", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"Layout.{name}={value!r}: must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"Layout.zero={self.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise LayoutError(f"Layout.schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError(f"Layout.recompute={self.recompute!r}: choose one of {RECOMPUTE}")
+        if self.precision not in PRECISIONS:
+            raise LayoutError(f"Layout.precision={self.precision!r}: choose one of {PRECISIONS}")
+        if (self.dp * self.cp) % self.ep:
+            raise LayoutError(
+                f"Layout.ep={self.ep} must divide dp*cp={self.dp * self.cp}: expert parallelism "
+                "reuses the data-parallel ranks; lower ep or raise dp"
+            )
+        if self.sp and self.tp == 1:
+            # SP without TP is meaningless; normalise rather than fail (a sweep sets sp=True).
+            object.__setattr__(self, "sp", False)
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise LayoutError(
+                f"Layout.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b'"
+            )
+        if self.pp > 1 and self.schedule != "afab" and self.grad_accum < self.pp:
+            # 1F1B-style schedules need at least p micro-batches to fill the pipeline.
+            raise LayoutError(
+                    f"Layout.grad_accum={self.grad_accum} < pp={self.pp}: a {self.schedule} "
+                    f"pipeline needs at least pp micro-batches; set grad_accum >= {self.pp}"
+                )
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the layout occupies: dp * cp * pp * tp."""
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: microbatch * grad_accum * dp."""
+        return self.microbatch * self.grad_accum * self.dp
+
+    def replace(self, **changes) -> Layout:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        """Compact one-line description, e.g. ``dp8 tp8 pp2 zero1 sp mb2 ga16 1f1b``."""
+        parts = [f"dp{self.dp}"]
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(self, name) > 1:
+                parts.append(f"{name}{getattr(self, name)}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.sp:
+            parts.append("sp")
+        parts.append(f"mb{self.microbatch}")
+        parts.append(f"ga{self.grad_accum}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.recompute != "none":
+            parts.append(f"rc-{self.recompute}")
+        if self.precision != "bf16":
+            parts.append(self.precision)
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        """Plain dict of every field (JSON-safe)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Layout:
+        """Inverse of `to_dict`; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise LayoutError(f"unknown Layout fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        """JSON text of `to_dict`."""
+        return json.dumps(self.to_dict(), sort_keys=True)
