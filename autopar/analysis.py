@@ -135,6 +135,8 @@ def _val_bytes(val) -> int:
 
 
 def _module_path(node: torch.fx.Node) -> str:
+    if "module" in node.meta:  # set by capture
+        return node.meta["module"]
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if not stack:
         return ""

@@ -43,7 +43,7 @@ class InspectReport:
     forward_nodes: int
     backward_nodes: int
     top_ops: list[tuple[str, int]] = field(default_factory=list)
-    export_s: float = 0.0
+    preflight_s: float = 0.0
     capture_s: float = 0.0
     analysis_s: float = 0.0
     peak_rss_bytes: int = 0
@@ -94,7 +94,7 @@ def inspect_model(name: str, batch: int = 1, seq: int = 4096, dtype: str = "bf16
         forward_nodes=phases.count("forward"),
         backward_nodes=phases.count("backward"),
         top_ops=[(op.replace("aten.", ""), n) for op, n in top],
-        export_s=graph.export_time_s,
+        preflight_s=graph.preflight_time_s,
         capture_s=graph.capture_time_s,
         analysis_s=analysis_s,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -131,7 +131,8 @@ def format_report(r: InspectReport) -> str:
         ("most frequent ops", ", ".join(f"{op} {n}" for op, n in r.top_ops[:6])),
         (
             "capture time",
-            f"{r.capture_s:.1f} s  (export {r.export_s:.1f} s, joint {r.capture_s - r.export_s:.1f} s); "
+            f"{r.capture_s:.1f} s  (fake forward {r.preflight_s:.1f} s, joint trace "
+            f"{r.capture_s - r.preflight_s:.1f} s); "
             f"analysis {r.analysis_s:.1f} s",
         ),
         ("peak RSS", fmt_bytes(r.peak_rss_bytes)),

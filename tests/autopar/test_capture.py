@@ -15,11 +15,14 @@ def _eager(model, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-mixtral"])
-def test_captured_step_matches_eager_autograd(name):
+@pytest.mark.parametrize(
+    "name, via_export",
+    [("tiny-gpt2", False), ("tiny-llama", False), ("tiny-mixtral", False), ("tiny-llama", True)],
+)
+def test_captured_step_matches_eager_autograd(name, via_export):
     model = models.build(name, seed=1)
     inputs = models.example_inputs(name, batch=2, seq=16)
-    graph = capture(model, inputs)
+    graph = capture(model, inputs, via_export=via_export)
     loss, grads = graph.run(dict(model.named_parameters()), *inputs)
     ref_loss, ref_grads = _eager(model, inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
