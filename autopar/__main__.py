@@ -4,4 +4,5 @@ import sys
 
 from autopar.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned ranks re-import this module: run only in the parent
+    sys.exit(main())

@@ -58,7 +58,7 @@ Progress = Callable[[str], Any] | None
 
 
 def default_calibration_path() -> Path:
-    """Where the calibration lives: ``$AUTOPAR_CALIBRATION`` or ``~/.cache/autopar/calibration.json``."""
+    """The calibration file: ``$AUTOPAR_CALIBRATION`` or ``~/.cache/autopar/calibration.json``."""
     env = os.environ.get("AUTOPAR_CALIBRATION")
     if env:
         return Path(env).expanduser()
@@ -93,24 +93,41 @@ def _timed(fn: Callable[[], Any], warmup: int, repeats: int, inner: int = 1) -> 
 
 
 def _measure_matmul(quick: bool, say: Callable[[str], None]) -> tuple[dict[str, float], list]:
-    """Median FLOP/s of square ``mm`` per dtype; the best size counts (the achievable peak)."""
+    """Median FLOP/s of square ``mm`` per dtype; the best size counts (the achievable peak).
+
+    Each (dtype, size) gets a time budget: a dtype can be ~100x slower than fp32 on a CPU
+    without native kernels for it (bf16 ran at ~1 GFLOP/s on the 2-core dev VM), so repeats
+    shrink to fit, and a larger size is skipped when the smaller one predicts it would not fit.
+    """
     sizes = (
         {"fp32": (1024,), "bf16": (512,)} if quick else {"fp32": (1024, 2048), "bf16": (512, 1024)}
     )
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    warmup, repeats = (1, 3) if quick else (2, 7)
+    budget_s, max_repeats = (1.0, 3) if quick else (3.0, 7)
+    min_calls = 4  # one warm-up + three timed repeats: the least that still gives a median
     best: dict[str, float] = {}
-    raw = []
+    raw: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(0)
     for name, ns in sizes.items():
+        prev: tuple[int, float] | None = None
         for n in ns:
+            if prev is not None:
+                predicted = prev[1] * (n / prev[0]) ** 3
+                if predicted * min_calls > budget_s:
+                    say(f"matmul {name} {n}: skipped (~{predicted:.1f} s per call)")
+                    raw.append({"dtype": name, "n": n, "skipped": True, "predicted_s": predicted})
+                    continue
             a = torch.randn(n, n, generator=gen).to(dtypes[name])
             b = torch.randn(n, n, generator=gen).to(dtypes[name])
             c = torch.empty(n, n, dtype=dtypes[name])
-            times = _timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), warmup, repeats)
+            # The first call is the warm-up, and its time sizes the number of repeats.
+            (first,) = _timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), 0, 1)
+            repeats = max(3, min(max_repeats, int((budget_s - first) / max(first, 1e-9))))
+            times = _timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), 0 if quick else 1, repeats)
             med = statistics.median(times)
             flops = 2.0 * n**3 / med
             best[name] = max(best.get(name, 0.0), flops)
+            prev = (n, med)
             raw.append({"dtype": name, "n": n, "times_s": times, "median_s": med, "flops": flops})
             say(f"matmul {name} {n}: {flops / 1e9:.1f} GFLOP/s")
     return best, raw
@@ -153,9 +170,13 @@ def _measure_kernel_floor(quick: bool, say: Callable[[str], None]) -> tuple[floa
 def _collective_worker(
     rank: int, world_size: int, sizes: Sequence[int], warmup: int, repeats: int
 ) -> dict[str, list[dict[str, float]]]:
-    """Per rank: median seconds of each collective at each size (run by ``runtime.launch.spawn``)."""
+    """One rank's median seconds per collective and size (run under ``runtime.launch.spawn``)."""
     import torch.distributed as dist
 
+    # torch 2.13 deprecates the *_tensor names (a FutureWarning per call) in favour of *_single
+    # with the same (output, input) signature; keep the old ones for older torch.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     n = world_size
     out: dict[str, list[dict[str, float]]] = {}
     for kind in COLLECTIVES:
@@ -168,9 +189,9 @@ def _collective_worker(
             if kind == "all_reduce":
                 op = lambda full=full: dist.all_reduce(full)  # noqa: E731
             elif kind == "all_gather":
-                op = lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard)  # noqa: E731
+                op = lambda full=full, shard=shard: all_gather(full, shard)  # noqa: E731
             elif kind == "reduce_scatter":
-                op = lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full)  # noqa: E731
+                op = lambda full=full, shard=shard: reduce_scatter(shard, full)  # noqa: E731
             elif kind == "all_to_all":
                 dst = torch.empty_like(full)
                 op = lambda full=full, dst=dst: dist.all_to_all_single(dst, full)  # noqa: E731
@@ -276,7 +297,7 @@ def calibrate(
             ``quick``); must be >= 2.
         path: output file; default ``$AUTOPAR_CALIBRATION`` or
             ``~/.cache/autopar/calibration.json``. Parent directories are created.
-        quick: fewer sizes and repeats (~15 s instead of ~45 s on a 2-core machine).
+        quick: 2 ranks, fewer sizes and repeats (~5-10 s, not ~13-20 s, on the 2-core dev VM).
         progress: called with one short human-readable line per measurement; ``None`` = silent.
 
     Returns:
@@ -371,13 +392,12 @@ def format_calibration(data: dict[str, Any]) -> str:
         f"compute ({threads} threads)",
     ]
     for dtype, flops in data.get("matmul_flops", {}).items():
-        lines.append(f"  {'matmul ' + dtype:<22}{_si(flops, 'FLOP/s'):>16}")
-    lines.append(f"  {'memory bandwidth':<22}{_si(data['memory_bw'], 'B/s'):>16}")
-    lines.append(f"  {'kernel floor':<22}{_seconds(data['kernel_floor_s']):>16}")
+        lines.append(f"  {'matmul ' + dtype:<22}{_si(flops, 'FLOP/s'):>14}")
+    lines.append(f"  {'memory bandwidth':<22}{_si(data['memory_bw'], 'B/s'):>14}")
+    lines.append(f"  {'kernel floor':<22}{_seconds(data['kernel_floor_s']):>14}")
     lines.append("")
-    lines.append(
-        f"{'collectives (' + str(data.get('world_size')) + ' ranks)':<24}{'latency':>14}{'busbw':>14}"
-    )
+    header = f"collectives ({data.get('world_size')} ranks)"
+    lines.append(f"{header:<24}{'latency':>14}{'busbw':>14}")
     for kind, c in data.get("collectives", {}).items():
         lines.append(f"  {kind:<22}{_seconds(c['latency_s']):>14}{_si(c['busbw'], 'B/s'):>14}")
     return "\n".join(lines)

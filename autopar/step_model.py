@@ -1,0 +1,696 @@
+"""Predict the step time and per-device memory of a training step under a Layout.
+
+The prediction is built from the captured graph, node by node, not from a closed formula:
+
+1. `StepFacts.from_graph` (once per graph) records for every node its FLOPs and the bytes it
+   touches, split into the batch-dependent part (activations) and the rest (weights), its TP
+   state from `tp_recipe` (sharded t ways, sequence-shardable, or replicated), its repeated
+   block, and the forward values saved for the backward.
+2. `predict` (per layout, vectorised, milliseconds) scales each node to one micro-batch on one
+   device (batch / dp / grad_accum, sequence / cp, TP shards), prices it with the roofline of
+   `cost.compute`, adds the TP, CP, EP and pipeline collectives of `cost.comm`, the pipeline
+   bubble of `cost.pipeline`, the exposed part of the data-parallel gradient sync, and the
+   optimizer step; memory comes from `cost.memory` and the saved activations of the stage that
+   holds the most.
+
+All activations scale linearly with the batch, so one capture of the global batch serves every
+micro-batch size. Assumptions are stated where they are made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from autopar.analysis import GraphAnalysis
+from autopar.capture import TrainingGraph
+from autopar.errors import InputError
+from autopar.fusion import external_bytes, fused_saved, fusion_groups
+from autopar.tp_recipe import REPLICATED, TPRecipe, find_tp_recipe
+from cost import (
+    Cluster,
+    Group,
+    Layout,
+    LayoutError,
+    MemoryBreakdown,
+    axis_group,
+    buffer_bytes,
+    collective_time,
+    in_flight_microbatches,
+    model_state_bytes,
+    pipeline_step_time,
+    recipe,
+)
+from cost.compute import gemm_efficiency
+from cost.memory import RESERVE_BYTES
+
+aten = torch.ops.aten
+_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
+# A training framework reaches less than the sum of its kernels' times: host overhead between
+# kernels, gradient clipping, data loading, stragglers. Calibrated on the playbook's measured
+# DP=8 throughput of its 1.34B model (nanotron on 8xH100, 40,150 tok/s/GPU), where the kernel
+# roofline alone predicts 47,124: 40,150 / 47,124 = 0.85. Kernel times themselves were checked
+# on an H200 (`autopar bench block-check`: blocks within 16 %).
+FRAMEWORK_EFFICIENCY = 0.85
+# Optimizer step: reads fp32 master, m, v, the gradient; writes master, m, v and the bf16 weight
+# (AdamW, memory-bound: 4+4+4+4 read + 4+4+4+2 write = 30 bytes per parameter).
+ADAM_BYTES_PER_PARAM = 30.0
+# fp8 matmuls first cast their bf16 inputs: read 2 bytes, write 1 per element, i.e. 1.5 bytes
+# moved per input byte (torchao's Float8 recipe: a cast kernel per input, tensorwise scales).
+FP8_CAST_BYTES_PER_INPUT_BYTE = 1.5
+
+
+@dataclass
+class StepFacts:
+    """Layout-independent facts about one captured training step (plain arrays)."""
+
+    batch: int  # sequences in the captured (global) step
+    seq: int
+    n_layers: int
+    heads: int | None
+    kv_heads: int | None
+    n_experts: int
+    total_flops: float  # tensor-core FLOPs of forward + backward for the whole batch
+    # per node arrays
+    flops: np.ndarray
+    vflops: np.ndarray
+    bytes_act: np.ndarray
+    bytes_const: np.ndarray
+    batch_dep: np.ndarray
+    tp_div: np.ndarray
+    sp_div: np.ndarray
+    is_matmul: np.ndarray
+    fp8_act_bytes: np.ndarray  # activation input bytes an fp8 weight matmul must cast
+    fp8_const_bytes: np.ndarray  # weight bytes it must cast
+    forward: np.ndarray
+    launch: np.ndarray  # the node starts a kernel (first node of its fusion group)
+    hides_gather: np.ndarray  # column matmul: an SP all-gather of its input overlaps it
+    hides_reduce: np.ndarray  # weight-gradient matmul: the input-gradient reduction overlaps it
+    layer: np.ndarray  # block index, pre-block nodes -1 (stage 0); post-block nodes L
+    is_attention: np.ndarray
+    attention_kv_bytes: np.ndarray
+    # saved activations
+    saved_bytes: np.ndarray
+    saved_batch_dep: np.ndarray
+    saved_tp_div: np.ndarray
+    saved_sp_div: np.ndarray
+    saved_layer: np.ndarray
+    saved_heavy: np.ndarray  # produced by a matmul or attention (kept by selective recompute)
+    block_input_bytes: float  # one block's input activation for the whole batch
+    # TP collectives
+    event_bytes: np.ndarray
+    event_batch_dep: np.ndarray
+    event_reduce: np.ndarray  # True: reduce (AR / RS), False: gather (AG under SP)
+    event_layer: np.ndarray
+    event_forward: np.ndarray
+    # EP all-to-all: activation bytes entering + leaving the experts, per layer
+    expert_io_bytes: np.ndarray
+    # parameters
+    param_numel: dict[str, int] = field(default_factory=dict)
+    param_tp_sharded: dict[str, bool] = field(default_factory=dict)
+    param_expert: dict[str, bool] = field(default_factory=dict)
+    param_stages_layer: dict[str, list[int]] = field(default_factory=dict)
+    param_dtype_bytes: dict[str, int] = field(default_factory=dict)
+    recipe: TPRecipe | None = None
+
+    @classmethod
+    def from_graph(
+        cls, graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True
+    ) -> StepFacts:
+        """Collect the facts; ``config`` (a zoo ModelConfig, optional) supplies head counts.
+
+        fused: price element-wise chains as fused kernels and save what a fused step saves
+        (torch.compile, nanotron's kernels); False prices eager PyTorch, one kernel per op.
+        """
+        return _build_facts(graph, analysis, config, fused)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters counted once each."""
+        return sum(self.param_numel.values())
+
+    def rebatch(self, batch: int) -> StepFacts:
+        """The same step with a global batch of ``batch`` sequences (no new capture needed:
+        every batch-dependent quantity is linear in the batch)."""
+        if batch < 1:
+            raise InputError(f"batch={batch}: a step needs at least one sequence")
+        r = batch / self.batch
+        return dataclasses.replace(
+            self,
+            batch=batch,
+            total_flops=self.total_flops * r,
+            flops=np.where(self.batch_dep, self.flops * r, self.flops),
+            vflops=np.where(self.batch_dep, self.vflops * r, self.vflops),
+            bytes_act=self.bytes_act * r,
+            fp8_act_bytes=self.fp8_act_bytes * r,
+            attention_kv_bytes=self.attention_kv_bytes * r,
+            saved_bytes=np.where(self.saved_batch_dep, self.saved_bytes * r, self.saved_bytes),
+            block_input_bytes=self.block_input_bytes * r,
+            event_bytes=np.where(self.event_batch_dep, self.event_bytes * r, self.event_bytes),
+            expert_io_bytes=self.expert_io_bytes * r,
+        )
+
+
+@dataclass
+class Prediction:
+    """What a layout costs: the numbers `plan.predicted` exposes, and their breakdown."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    fits: bool
+    memory_per_device_bytes: float
+    memory_breakdown: dict[str, float]
+    time_breakdown: dict[str, float]
+    memory_capacity_bytes: float
+
+    def as_dict(self) -> dict:
+        """Plain dict (JSON-ready), with the contract's keys."""
+        return asdict(self)
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+
+# --------------------------------------------------------------------------------------------
+# facts
+
+
+def _build_facts(graph: TrainingGraph, analysis: GraphAnalysis, config, fused: bool) -> StepFacts:
+    tp = find_tp_recipe(graph, analysis)
+    groups = fusion_groups(graph, analysis) if fused else {}
+    ext_inputs, leaves = external_bytes(graph, analysis, groups)
+    saved_values = fused_saved(graph, analysis, groups) if fused else analysis.saved
+    nodes = [n for n in graph.gm.graph.nodes]
+    user_inputs = [n for n in nodes if any(i.node == n.name and i.kind == "input" for i in graph.inputs)]
+    batch, seq = _batch_and_seq(user_inputs)
+    blocks = analysis.blocks
+    n_layers = blocks.count if blocks else 0
+    layer_eff = _effective_layers(nodes, analysis, n_layers)
+    bd = tp.batch_dependent
+    expert_prefixes = _expert_modules(graph)
+
+    arrays: dict[str, list] = {k: [] for k in (
+        "flops", "vflops", "bytes_act", "bytes_const", "batch_dep", "tp_div", "sp_div",
+        "is_matmul", "fp8_act_bytes", "fp8_const_bytes", "forward", "launch", "hides_gather", "hides_reduce", "layer", "is_attention", "attention_kv_bytes",
+    )}
+    expert_io = np.zeros(max(n_layers, 1) + 2)
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        info = analysis.nodes[node.name]
+        if info.is_view:
+            continue  # views launch no kernel and move no bytes
+        state = tp.state.get(node.name, "R")
+        act_in = sum(analysis.nodes[i.name].nbytes for i in ext_inputs[node.name] if bd.get(i.name))
+        const_in = sum(analysis.nodes[i.name].nbytes for i in ext_inputs[node.name] if not bd.get(i.name))
+        out_bd = bd.get(node.name, False)
+        written = info.bytes_written if leaves[node.name] else 0
+        tp_div = state == "S" or node.name in tp.sharded_matmul
+        is_attn = any(k in str(node.target) for k in _ATTENTION) and info.phase == "forward"
+        kv = 0
+        if is_attn:
+            kv = sum(analysis.nodes[a.name].nbytes for a in node.args[1:3] if isinstance(a, torch.fx.Node))
+        param_mm = node.name in tp.sharded_matmul or (
+            info.is_matmul and any(i.name in tp.weight_of for i in node.all_input_nodes)
+        )
+        arrays["flops"].append(info.flops)
+        arrays["vflops"].append(info.vector_flops)
+        arrays["bytes_act"].append(act_in + (written if out_bd else 0))
+        arrays["bytes_const"].append(const_in + (0 if out_bd else written))
+        arrays["launch"].append(groups.get(node.name, node.name) == node.name)
+        arrays["hides_gather"].append(node.name in tp.column_matmul)
+        arrays["hides_reduce"].append(node.name in tp.weight_grad_matmul)
+        arrays["batch_dep"].append(out_bd or act_in > 0)
+        arrays["tp_div"].append(tp_div)
+        arrays["sp_div"].append(state == "R" and out_bd and not tp_div)
+        arrays["is_matmul"].append(info.is_matmul or info.flops > 0)
+        arrays["fp8_act_bytes"].append(act_in if param_mm else 0)
+        arrays["fp8_const_bytes"].append(const_in if param_mm else 0)
+        arrays["forward"].append(info.phase == "forward")
+        arrays["layer"].append(layer_eff[node.name])
+        arrays["is_attention"].append(is_attn)
+        arrays["attention_kv_bytes"].append(kv)
+        # activations crossing into or out of expert modules: the EP all-to-all volume
+        if expert_prefixes and info.phase == "forward" and out_bd:
+            mine = _under(info.module, expert_prefixes)
+            for i in node.all_input_nodes:
+                other = _under(analysis.nodes[i.name].module, expert_prefixes)
+                if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward":
+                    expert_io[layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
+
+    saved = {k: [] for k in ("bytes", "bd", "tp", "sp", "layer", "heavy")}
+    for name, nbytes in saved_values.items():
+        info = analysis.nodes[name]
+        state = tp.state.get(name, "R")
+        node_bd = bd.get(name, False)
+        saved["bytes"].append(nbytes)
+        saved["bd"].append(node_bd)
+        saved["tp"].append(state == "S")
+        # a saved partial sum is stored after its reduction: replicated, or sequence-sharded
+        saved["sp"].append(state in ("R", "P") and node_bd)
+        saved["layer"].append(layer_eff.get(name, -1))
+        saved["heavy"].append(info.flops > 0 or info.is_matmul)
+
+    events = tp.events
+    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
+    consumers = _param_layers(graph, params, layer_eff, analysis)
+    facts = StepFacts(
+        batch=batch,
+        seq=seq,
+        n_layers=n_layers,
+        heads=getattr(config, "n_heads", None),
+        kv_heads=getattr(config, "n_kv_heads", None),
+        n_experts=getattr(config, "n_experts", 0) or 0,
+        total_flops=analysis.forward_flops + analysis.backward_flops,
+        flops=np.array(arrays["flops"], dtype=float),
+        vflops=np.array(arrays["vflops"], dtype=float),
+        bytes_act=np.array(arrays["bytes_act"], dtype=float),
+        bytes_const=np.array(arrays["bytes_const"], dtype=float),
+        batch_dep=np.array(arrays["batch_dep"], dtype=bool),
+        tp_div=np.array(arrays["tp_div"], dtype=bool),
+        sp_div=np.array(arrays["sp_div"], dtype=bool),
+        is_matmul=np.array(arrays["is_matmul"], dtype=bool),
+        fp8_act_bytes=np.array(arrays["fp8_act_bytes"], dtype=float),
+        fp8_const_bytes=np.array(arrays["fp8_const_bytes"], dtype=float),
+        forward=np.array(arrays["forward"], dtype=bool),
+        launch=np.array(arrays["launch"], dtype=bool),
+        hides_gather=np.array(arrays["hides_gather"], dtype=bool),
+        hides_reduce=np.array(arrays["hides_reduce"], dtype=bool),
+        layer=np.array(arrays["layer"], dtype=int),
+        is_attention=np.array(arrays["is_attention"], dtype=bool),
+        attention_kv_bytes=np.array(arrays["attention_kv_bytes"], dtype=float),
+        saved_bytes=np.array(saved["bytes"], dtype=float),
+        saved_batch_dep=np.array(saved["bd"], dtype=bool),
+        saved_tp_div=np.array(saved["tp"], dtype=bool),
+        saved_sp_div=np.array(saved["sp"], dtype=bool),
+        saved_layer=np.array(saved["layer"], dtype=int),
+        saved_heavy=np.array(saved["heavy"], dtype=bool),
+        block_input_bytes=_block_input_bytes(graph, analysis, bd),
+        event_bytes=np.array([e.nbytes for e in events], dtype=float),
+        event_batch_dep=np.array([e.batch_dependent for e in events], dtype=bool),
+        event_reduce=np.array([e.kind == "reduce" for e in events], dtype=bool),
+        event_layer=np.array([layer_eff.get(e.node, -1) for e in events], dtype=int),
+        event_forward=np.array([e.forward for e in events], dtype=bool),
+        expert_io_bytes=expert_io,
+        param_numel={n: math.prod(graph.param_shapes[n]) for n in params},
+        param_tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
+        param_expert={n: _under(n, expert_prefixes) for n in params},
+        param_stages_layer=consumers,
+        param_dtype_bytes={n: torch.empty((), dtype=graph.param_dtypes[n]).element_size() for n in params},
+        recipe=tp,
+    )
+    return facts
+
+
+def _batch_and_seq(user_inputs) -> tuple[int, int]:
+    """The batch is dim 0 of the first user input, the sequence dim 1 (1 if absent)."""
+    if not user_inputs:
+        raise InputError("the captured step has no user inputs: nothing to split over data-parallel ranks")
+    shape = tuple(user_inputs[0].meta["val"].shape)
+    if not shape:
+        raise InputError("the first example input is a scalar: it needs a batch dimension (dim 0)")
+    return int(shape[0]), int(shape[1]) if len(shape) > 1 else 1
+
+
+def _effective_layers(nodes, analysis: GraphAnalysis, n_layers: int) -> dict[str, int]:
+    """Block index of every node; nodes outside blocks go to the nearest block in execution
+    order: before the first block -1 (stage 0), after the last block n_layers (last stage)."""
+    out: dict[str, int] = {}
+    fwd_current, bwd_current = -1, n_layers
+    for node in nodes:
+        info = analysis.nodes[node.name]
+        if info.layer is not None:
+            out[node.name] = info.layer
+            if info.phase == "forward":
+                fwd_current = info.layer if info.layer < n_layers - 1 else n_layers
+            else:
+                bwd_current = info.layer if info.layer > 0 else -1
+            continue
+        if info.phase == "backward":
+            out[node.name] = bwd_current
+        else:
+            out[node.name] = fwd_current
+    return out
+
+
+def _expert_modules(graph: TrainingGraph) -> tuple[str, ...]:
+    """Module prefixes of experts: a list of identical modules inside a repeated block
+    (``layers.3.mlp.experts.5``), found from parameter names with two indices."""
+    prefixes = set()
+    for name in graph.param_shapes:
+        match = re.match(r"^(.*?\.\d+\..*?\.)\d+\.", name)
+        if match:
+            prefixes.add(match.group(1))
+    return tuple(sorted(prefixes))
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module.startswith(p) for p in prefixes)
+
+
+def _param_layers(graph, params, layer_eff, analysis) -> dict[str, list[int]]:
+    """The blocks (effective layers) whose forward nodes read each parameter."""
+    users: dict[str, set[int]] = {n: set() for n in params}
+    by_node = {node: name for name, node in params.items()}
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and analysis.nodes[node.name].phase == "forward":
+            for i in node.all_input_nodes:
+                if i.name in by_node:
+                    users[by_node[i.name]].add(layer_eff[node.name])
+    return {n: sorted(s) or [-1] for n, s in users.items()}
+
+
+def _block_input_bytes(graph, analysis: GraphAnalysis, bd) -> float:
+    """Bytes of the activation entering one block (the residual stream), whole batch."""
+    blocks = analysis.blocks
+    if not blocks or not blocks.nodes:
+        return 0.0
+    first = blocks.nodes[min(blocks.nodes)]
+    members = set(first)
+    roots = set()
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    for name in first:
+        node = by_name[name]
+        if analysis.nodes[name].phase != "forward":
+            continue
+        for i in node.all_input_nodes:
+            if i.name not in members and bd.get(i.name) and analysis.nodes[i.name].phase == "forward":
+                roots.add(analysis.nodes[i.name].storage)
+    return float(sum(analysis.nodes[r].nbytes for r in roots))
+
+
+# --------------------------------------------------------------------------------------------
+# prediction
+
+
+def check_layout(facts: StepFacts, cluster: Cluster, layout: Layout) -> None:
+    """Raise `LayoutError` for a layout that cannot run this step on this cluster."""
+    if layout.world_size != cluster.world_size:
+        raise LayoutError(
+            f"layout {layout.short()} uses dp*cp*pp*tp = {layout.dp}*{layout.cp}*{layout.pp}*{layout.tp}"
+            f" = {layout.world_size} ranks but the cluster has {cluster.world_size} "
+            f"({cluster.nodes} nodes x {cluster.gpus_per_node}); change the degrees to multiply to "
+            f"{cluster.world_size}"
+        )
+    if facts.heads and (layout.tp > facts.heads or facts.heads % layout.tp):
+        raise LayoutError(
+            f"tp={layout.tp} does not divide the model's {facts.heads} attention heads: tensor "
+            f"parallelism splits heads; use a tp that divides {facts.heads}"
+        )
+    if layout.global_batch != facts.batch:
+        per_rank = facts.batch / layout.dp
+        hint = (
+            f"with dp={layout.dp}, microbatch * grad_accum must be {per_rank:g}"
+            if facts.batch % layout.dp == 0
+            else f"dp={layout.dp} does not divide the batch of {facts.batch}"
+        )
+        raise LayoutError(
+            f"the example inputs hold a batch of {facts.batch} sequences but the layout processes "
+            f"dp*microbatch*grad_accum = {layout.dp}*{layout.microbatch}*{layout.grad_accum} = "
+            f"{layout.global_batch}: {hint}"
+        )
+    if facts.seq % layout.cp:
+        raise LayoutError(f"cp={layout.cp} does not divide the sequence length {facts.seq}")
+    if layout.pp > max(facts.n_layers, 1):
+        raise LayoutError(f"pp={layout.pp} exceeds the model's {facts.n_layers} repeated blocks")
+    if layout.ep > 1 and (not facts.n_experts or facts.n_experts % layout.ep):
+        raise LayoutError(
+            f"ep={layout.ep} needs a mixture-of-experts model whose expert count it divides "
+            f"(this model has {facts.n_experts} experts)"
+        )
+    if layout.precision == "fp8" and "fp8" not in cluster.gpu.peak_flops:
+        raise LayoutError(f"precision='fp8' but {cluster.gpu.name} has no FP8 tensor cores; use bf16")
+
+
+def predict(facts: StepFacts, cluster: Cluster, layout: Layout) -> Prediction:
+    """Step time, throughput, MFU and memory per device of ``layout`` on ``cluster``."""
+    check_layout(facts, cluster, layout)
+    gpu = cluster.gpu
+    lay = layout
+    rec = recipe(lay.precision, lay.fp32_grad_accum)
+    tp, cp, pp, m = lay.tp, lay.cp, lay.pp, lay.grad_accum
+    scale = lay.microbatch / facts.batch
+    n_layers = max(facts.n_layers, 1)
+
+    times = node_times(facts, cluster, lay) / FRAMEWORK_EFFICIENCY
+    bw = gpu.memory_bw * gpu.memory_efficiency
+
+    stage_of = _stage_of(facts.layer, n_layers, pp)
+    fwd = np.bincount(stage_of, weights=times * facts.forward, minlength=pp)
+    bwd = np.bincount(stage_of, weights=times * ~facts.forward, minlength=pp)
+    in_block = (facts.layer >= 0) & (facts.layer < n_layers)
+    if lay.recompute == "full":
+        recomp = np.bincount(stage_of, weights=times * (facts.forward & in_block), minlength=pp)
+    elif lay.recompute == "selective":
+        light = facts.forward & in_block & ~facts.is_matmul
+        recomp = np.bincount(stage_of, weights=times * light, minlength=pp)
+    else:
+        recomp = np.zeros(pp)
+
+    # ---- TP collectives, on the critical path except where Megatron overlaps them: the SP
+    # all-gather with the column matmul it feeds (playbook), the backward reduction of a
+    # column layer's input gradient with its weight-gradient matmul (Megatron's async TP)
+    tp_comm = np.zeros(pp)
+    if tp > 1:
+        tp_comm = _tp_exposed(facts, cluster, lay, times, scale, n_layers, pp)
+
+    # ---- CP: ring exchange of K/V shards, overlapped with the attention it feeds
+    cp_exposed = np.zeros(pp)
+    if cp > 1:
+        group = axis_group(cluster, cp, tp)
+        att = facts.is_attention
+        kv_local = facts.attention_kv_bytes[att] * scale / cp / np.where(facts.tp_div[att], tp, 1)
+        step = np.array([collective_time("send_recv", float(k), group, cluster) for k in kv_local])
+        # forward: cp-1 steps of K,V; backward: K,V again plus dK,dV
+        comm = 3 * (cp - 1) * step
+        att_time = times[att] * 3  # forward attention + its backward (about twice)
+        exposed = np.maximum(0.0, comm - att_time)
+        np.add.at(cp_exposed, stage_of[att], exposed)
+
+    # ---- EP: dispatch and combine all-to-all, forward and backward
+    ep_comm = np.zeros(pp)
+    if lay.ep > 1:
+        group = axis_group(cluster, lay.ep, tp)
+        for layer_index, nb in enumerate(facts.expert_io_bytes):
+            if nb > 0:
+                local = float(nb) * scale / cp / (tp if lay.sp else 1)
+                t = 2 * collective_time("all_to_all", local, group, cluster)  # fwd + bwd
+                ep_comm[_stage_of(np.array([layer_index - 1]), n_layers, pp)[0]] += t
+
+    stage_time = fwd + bwd + recomp + tp_comm + cp_exposed + ep_comm
+    slowest = int(np.argmax(stage_time))
+    p2p = 0.0
+    if pp > 1:
+        boundary = facts.block_input_bytes * scale / cp / (tp if lay.sp else 1)
+        # adjacent stages sit tp*cp ranks apart: on one node unless that crosses a node boundary
+        pair = Group(2, 2 if 2 * tp * cp <= cluster.gpus_per_node else 1)
+        p2p = collective_time("send_recv", boundary, pair, cluster)
+    pipe_total, bubble = pipeline_step_time(
+        float(stage_time[slowest]), p2p, pp, m, lay.schedule if pp > 1 else "1f1b", lay.virtual_stages
+    )
+
+    # ---- data parallel: gradient sync (overlapped with the last backward), ZeRO gathers
+    params_stage = _params_per_stage(facts, lay, n_layers)
+    worst_params = float(params_stage.max())
+    dp_group_size = lay.dp * cp
+    dp_exposed = 0.0
+    dp_total = 0.0
+    if dp_group_size > 1:
+        group = axis_group(cluster, lay.dp, tp * cp * pp) if cp == 1 else axis_group(cluster, dp_group_size, tp)
+        grad_bytes = worst_params * (4.0 if (rec.grad_accum_bytes or lay.precision == "fp32") else rec.grad_bytes)
+        weight_bytes = worst_params * rec.param_bytes
+        if lay.zero == 0:
+            sync = collective_time("all_reduce", grad_bytes, group, cluster)
+            after = 0.0
+        else:
+            sync = collective_time("reduce_scatter", grad_bytes, group, cluster)
+            after = collective_time("all_gather", weight_bytes, group, cluster) if lay.zero < 3 else 0.0
+        hide = float(bwd[slowest] + recomp[slowest])
+        dp_exposed = max(0.0, sync - hide) + after
+        dp_total = sync + after
+        if lay.zero == 3:
+            # weights gathered for forward and again for backward, every micro-batch,
+            # prefetched one layer ahead: hidden behind that micro-batch's compute
+            gather = 2 * collective_time("all_gather", weight_bytes, group, cluster)
+            per_mb = float(fwd[slowest] + bwd[slowest] + recomp[slowest])
+            dp_exposed += m * max(0.0, gather - per_mb)
+            dp_total += m * gather
+    opt_params = worst_params / (dp_group_size if lay.zero >= 1 else 1)
+    optimizer_s = opt_params * ADAM_BYTES_PER_PARAM / bw
+
+    step = pipe_total + dp_exposed + optimizer_s
+    tokens = facts.batch * facts.seq
+    world = cluster.world_size
+    tps = tokens / step
+    # MFU against the dense bf16 peak, the playbook's convention (fp32 peak where no bf16)
+    peak = gpu.peak("bf16") if "bf16" in gpu.peak_flops else gpu.peak("fp32")
+    mfu = tps * (facts.total_flops / tokens) / (world * peak)
+
+    # ---- memory of the fullest stage
+    memory = _memory(facts, cluster, lay, rec, params_stage, scale, n_layers)
+    worst = max(memory, key=lambda b: b.total)
+    compute_s = m * float(fwd[slowest] + bwd[slowest])
+    time_breakdown = {
+        "compute_s": compute_s,
+        "recompute_s": m * float(recomp[slowest]),
+        "tp_comm_s": m * float(tp_comm[slowest]),
+        "cp_comm_exposed_s": m * float(cp_exposed[slowest]),
+        "ep_comm_s": m * float(ep_comm[slowest]),
+        "pp_bubble_s": bubble,
+        "pp_p2p_s": pipe_total - bubble - m * float(stage_time[slowest]),
+        "dp_comm_exposed_s": dp_exposed,
+        "dp_comm_total_s": dp_total,
+        "optimizer_s": optimizer_s,
+    }
+    return Prediction(
+        step_time_s=step,
+        tokens_per_s=tps,
+        tokens_per_s_per_gpu=tps / world,
+        mfu=mfu,
+        fits=worst.total <= gpu.memory_bytes,
+        memory_per_device_bytes=worst.total,
+        memory_breakdown=worst.as_dict(),
+        time_breakdown=time_breakdown,
+        memory_capacity_bytes=gpu.memory_bytes,
+    )
+
+
+def _tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.ndarray:
+    """Exposed TP communication per pipeline stage for one micro-batch."""
+    tp, cp = lay.tp, lay.cp
+    group = axis_group(cluster, tp, 1)
+    ev_bytes = facts.event_bytes * np.where(facts.event_batch_dep, scale / cp, 1.0)
+    cache: dict[tuple[str, float], float] = {}
+    cost = np.zeros(len(ev_bytes))
+    for i, (nb, is_reduce) in enumerate(zip(ev_bytes, facts.event_reduce)):
+        if lay.sp:
+            kind = "reduce_scatter" if is_reduce else "all_gather"
+        elif is_reduce:
+            kind = "all_reduce"
+        else:
+            continue
+        key = (kind, float(nb))
+        if key not in cache:
+            cache[key] = collective_time(kind, float(nb), group, cluster)
+        cost[i] = cache[key]
+    # per block: overlappable collectives hide behind their matmuls, the rest is exposed
+    slots = n_layers + 2  # -1 (before the blocks) .. n_layers (after)
+    ev_slot = np.clip(facts.event_layer, -1, n_layers) + 1
+    node_slot = np.clip(facts.layer, -1, n_layers) + 1
+    gather_ov = ~facts.event_reduce & facts.event_forward
+    reduce_ov = facts.event_reduce & ~facts.event_forward
+    fixed = np.bincount(ev_slot, weights=cost * ~(gather_ov | reduce_ov), minlength=slots)
+    g = np.bincount(ev_slot, weights=cost * gather_ov, minlength=slots)
+    r = np.bincount(ev_slot, weights=cost * reduce_ov, minlength=slots)
+    hide_g = np.bincount(node_slot, weights=times * facts.hides_gather, minlength=slots)
+    hide_r = np.bincount(node_slot, weights=times * facts.hides_reduce, minlength=slots)
+    exposed = fixed + np.maximum(0.0, g - hide_g) + np.maximum(0.0, r - hide_r)
+    slot_stage = _stage_of(np.arange(slots) - 1, n_layers, pp)
+    return np.bincount(slot_stage, weights=exposed, minlength=pp)
+
+
+def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """Seconds of every node for one micro-batch on one device (roofline per node).
+
+    Matmuls run at the GEMM efficiency curve of `cost.compute.gemm_efficiency` for their local
+    size; element-wise work is memory-bound; a kernel launch costs at least the GPU's floor.
+    """
+    gpu, lay = cluster.gpu, layout
+    tp, cp = lay.tp, lay.cp
+    scale = lay.microbatch / facts.batch
+    act_scale = np.where(facts.batch_dep, scale / cp, 1.0)
+    div = np.where(facts.tp_div, tp, 1) * np.where(facts.sp_div & lay.sp, tp, 1)
+    flops = facts.flops * act_scale / div
+    vflops = facts.vflops * act_scale / div
+    nbytes = (facts.bytes_act * scale / cp + facts.bytes_const) / div
+    if lay.precision == "fp32" or "bf16" not in gpu.peak_flops:
+        dtype = np.full(flops.shape, "fp32")
+    else:
+        dtype = np.full(flops.shape, "bf16")
+    if lay.precision == "fp8":
+        # only weight matmuls run in FP8, after casting their inputs; attention stays bf16
+        fp8 = (facts.fp8_act_bytes + facts.fp8_const_bytes) > 0
+        dtype = np.where(fp8, "fp8", dtype)
+        cast = (facts.fp8_act_bytes * scale / cp + facts.fp8_const_bytes) / div
+        nbytes = nbytes + np.where(fp8, cast * FP8_CAST_BYTES_PER_INPUT_BYTE, 0.0)
+    rate = np.ones(flops.shape)
+    for d in set(dtype.tolist()):
+        sel = dtype == d
+        rate[sel] = gpu.peak(d) * gemm_efficiency(np.maximum(flops[sel], 1.0), gpu, d)
+    t_mm = np.where(facts.is_matmul, flops / rate, vflops / gpu.peak("fp32"))
+    times = np.maximum(t_mm, nbytes / (gpu.memory_bw * gpu.memory_efficiency))
+    floor = np.where(facts.launch, gpu.kernel_floor_s, 0.0)
+    return np.where((flops + vflops + nbytes) > 0, np.maximum(times, floor), 0.0)
+
+
+def _stage_of(layer: np.ndarray, n_layers: int, pp: int) -> np.ndarray:
+    """Even split of the blocks over pp stages; pre-block nodes on stage 0, post on the last."""
+    clipped = np.clip(layer, 0, n_layers - 1)
+    return np.minimum(clipped * pp // n_layers, pp - 1).astype(int)
+
+
+def _params_per_stage(facts: StepFacts, lay: Layout, n_layers: int) -> np.ndarray:
+    """Parameters held by each pipeline stage after TP and EP sharding."""
+    out = np.zeros(lay.pp)
+    for name, numel in facts.param_numel.items():
+        local = numel / (lay.tp if facts.param_tp_sharded[name] else 1)
+        local /= lay.ep if facts.param_expert[name] else 1
+        stages = set(_stage_of(np.array(facts.param_stages_layer[name]), n_layers, lay.pp).tolist())
+        for s in stages:  # a tied embedding lives on the first and the last stage
+            out[s] += local
+    return out
+
+
+def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[MemoryBreakdown]:
+    """Memory breakdown of every pipeline stage."""
+    tp, cp, pp = lay.tp, lay.cp, lay.pp
+    local = facts.saved_bytes * np.where(facts.saved_batch_dep, scale / cp, 1.0)
+    local = local / np.where(facts.saved_tp_div, tp, 1) / np.where(facts.saved_sp_div & lay.sp, tp, 1)
+    in_block = (facts.saved_layer >= 0) & (facts.saved_layer < n_layers)
+    if lay.recompute == "full":
+        keep = ~in_block
+    elif lay.recompute == "selective":
+        keep = ~in_block | facts.saved_heavy
+    else:
+        keep = np.ones_like(in_block)
+    stage = _stage_of(facts.saved_layer, n_layers, pp)
+    per_stage = np.bincount(stage, weights=local * keep, minlength=pp)
+    if lay.recompute == "full":
+        # each block keeps its input (sequence-sharded under SP)
+        block_in = facts.block_input_bytes * scale / cp / (tp if lay.sp else 1)
+        layers_per_stage = np.bincount(_stage_of(np.arange(n_layers), n_layers, pp), minlength=pp)
+        per_stage = per_stage + layers_per_stage * block_in
+    largest_layer = max(
+        (n / (tp if facts.param_tp_sharded[p] else 1) for p, n in facts.param_numel.items()), default=0
+    )
+    # the largest single weight is a lower bound of a layer's weights; a block holds ~10 of them
+    block_params = largest_layer
+    if facts.n_layers:
+        in_blocks = sum(
+            n / (tp if facts.param_tp_sharded[p] else 1) / (lay.ep if facts.param_expert[p] else 1)
+            for p, n in facts.param_numel.items()
+            if all(0 <= layer < n_layers for layer in facts.param_stages_layer[p])
+        )
+        block_params = in_blocks / facts.n_layers
+    out = []
+    for s in range(pp):
+        states = model_state_bytes(float(params_stage[s]), rec, lay.zero, lay.dp * cp)
+        flight = in_flight_microbatches(lay.schedule, pp, lay.grad_accum, s, lay.virtual_stages) if pp > 1 else 1
+        out.append(
+            MemoryBreakdown(
+                params=states["params"],
+                grads=states["grads"],
+                optimizer=states["optimizer"],
+                activations=float(per_stage[s]) * flight,
+                buffers=buffer_bytes(lay.dp * cp, lay.zero, block_params, rec.param_bytes),
+                reserve=RESERVE_BYTES,
+            )
+        )
+    return out

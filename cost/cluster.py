@@ -1,0 +1,417 @@
+"""Clusters: a GPU kind, how many nodes of how many GPUs, and the links between them.
+
+Named profiles carry datasheet link rates plus the achieved fractions that published
+measurements show; ``"h100-efa"`` additionally carries the bus-bandwidth curves measured on the
+Ultra-Scale Playbook's cluster, which `cost.comm` uses as calibration points.
+`Cluster.local()` describes this machine from the file `autopar calibrate` writes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import warnings
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from .calibration import (
+    COLLECTIVES,
+    CollectiveFit,
+    default_calibration_path,
+    load_calibration,
+)
+from .hardware import GPUS, GPUSpec, get_gpu
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link as seen by one GPU.
+
+    bandwidth: payload bytes per second per GPU, one direction.
+    latency: seconds per message step (one hop of a ring).
+    """
+
+    bandwidth: float
+    latency: float
+    source: str
+
+
+# --- link datasheets and published measurements -----------------------------------------------
+_NCCL_TUNING = "NCCL src/graph/tuning.cc (v2.19 tables)"
+# NCCL's per-hop latency of the ring LL protocol, the one it picks for latency-bound messages:
+# NVLink 0.6 us, network 2.7 us; base latency of a ring collective 6.6 us.
+NVLINK_HOP_LATENCY_S = 0.6e-6
+IB_HOP_LATENCY_S = 2.7e-6
+NCCL_BASE_LATENCY_S = 6.6e-6
+# aws-ofi-nccl's tuner models EFA with a 20 us network latency (include/nccl_ofi_tuner.h,
+# NET_LATENCY).
+EFA_HOP_LATENCY_S = 20e-6
+
+NVLINK4 = Link(
+    bandwidth=450e9,
+    latency=NVLINK_HOP_LATENCY_S,
+    source=(
+        "NVLink4: 900 GB/s bidirectional per GPU = 450 GB/s per direction (NVIDIA H100 "
+        f"datasheet); hop latency: {_NCCL_TUNING} hwLat NVLink ring LL"
+    ),
+)
+NDR_IB_PER_GPU = Link(
+    bandwidth=50e9,
+    latency=IB_HOP_LATENCY_S,
+    source=(
+        "8x ConnectX-7 400 Gb/s NDR InfiniBand per DGX H100 node (DGX H100 datasheet) = "
+        f"50 GB/s per GPU; hop latency: {_NCCL_TUNING} hwLat NET ring LL"
+    ),
+)
+EFA_P5_PER_GPU = Link(
+    bandwidth=50e9,
+    latency=EFA_HOP_LATENCY_S,
+    source=(
+        "AWS p5.48xlarge: 3200 Gbps EFA per node (AWS instance specification) = 400 GB/s / 8 "
+        "= 50 GB/s per GPU; latency: aws-ofi-nccl tuner NET_LATENCY 20 us"
+    ),
+)
+NVLINK3 = Link(
+    bandwidth=300e9,
+    latency=NVLINK_HOP_LATENCY_S,
+    source=(
+        "NVLink3: 600 GB/s bidirectional per GPU = 300 GB/s per direction (NVIDIA A100 "
+        f"datasheet); hop latency: {_NCCL_TUNING} hwLat NVLink ring LL"
+    ),
+)
+HDR_IB_PER_GPU = Link(
+    bandwidth=25e9,
+    latency=IB_HOP_LATENCY_S,
+    source=(
+        "8x ConnectX-6 200 Gb/s HDR InfiniBand compute ports per DGX A100 node (DGX A100 "
+        f"datasheet) = 25 GB/s per GPU; hop latency: {_NCCL_TUNING} hwLat NET ring LL"
+    ),
+)
+CPU_LOOPBACK = Link(
+    bandwidth=1e9,
+    latency=50e-6,
+    source="placeholder for gloo over shared memory/loopback until `autopar calibrate` runs",
+)
+CPU_ETHERNET = Link(
+    bandwidth=1.25e9,
+    latency=50e-6,
+    source="placeholder: 10 GbE per node, until measured",
+)
+
+# Achieved bus bandwidth inside one H100 node as a fraction of the NVLink4 link rate, from the
+# playbook table at 1 node: all-reduce 436 GB/s (NCCL reduces in the NVSwitch with NVLS, so it
+# beats the copy-only collectives), all-gather and reduce-scatter 250 GB/s.
+# all_to_all and send_recv are made of the same point-to-point copies as the all-gather ring,
+# so they are assumed to reach the all-gather fraction.
+_H100_AG_FRACTION = 250e9 / 450e9
+H100_INTRA_EFFICIENCY = {
+    "all_reduce": 436e9 / 450e9,
+    "all_gather": _H100_AG_FRACTION,
+    "reduce_scatter": 250e9 / 450e9,
+    "all_to_all": _H100_AG_FRACTION,
+    "send_recv": _H100_AG_FRACTION,
+}
+# A100 (no NVLS): 8xA100 SXM4 all-reduce busbw 230-250 GB/s of 300 ("NCCL-tests in practice",
+# docs.alayanew.com tech blog 2026-05-06, reference table); 240/300 assumed for every kind.
+A100_INTRA_EFFICIENCY = dict.fromkeys(COLLECTIVES, 240e9 / 300e9)
+# NDR 400 Gb/s: "you should see 46-48 GB/s per NIC" (NCCL maintainer, NVIDIA/nccl-tests issue
+# #290) -> 47 / 50. Assumed the same for HDR.
+IB_EFFICIENCY = 47e9 / 50e9
+# EFA: the playbook's 2-node all-reduce, 362 GB/s against 8 NICs x 50 GB/s, is the best the
+# network reached in that table -> 0.905. Only used where no measured curve applies.
+EFA_EFFICIENCY = 362e9 / 400e9
+
+
+def _load_curves(filename: str) -> tuple[dict[str, list[tuple[float, float]]], float, int, str]:
+    """Read a bus-bandwidth calibration file: (curves in B/s, message bytes, gpus/node, source)."""
+    doc = json.loads((PROFILE_DIR / filename).read_text())
+    scale = 1e9  # the file stores GB/s
+    curves = {
+        kind: [(float(n), v * scale) for n, v in zip(doc["nodes"], values)]
+        for kind, values in doc["busbw"].items()
+    }
+    return curves, float(doc["message_bytes"]), int(doc["gpus_per_node"]), doc["source"]
+
+
+def _profile(name: str) -> dict:
+    """Field values of the named profile (excluding nodes / gpus_per_node)."""
+    if name in ("h100", "h200"):
+        return {
+            "gpu": GPUS[name],
+            "intra": NVLINK4,
+            "inter": NDR_IB_PER_GPU,
+            "intra_efficiency": dict(H100_INTRA_EFFICIENCY),
+            "inter_efficiency": IB_EFFICIENCY,
+            "base_latency": NCCL_BASE_LATENCY_S,
+            "source": f"{GPUS[name].name} nodes, NVLink4/NVSwitch, NDR InfiniBand (datasheets)",
+        }
+    if name == "h100-efa":
+        curves, message_bytes, gpn, source = _load_curves("h100_efa_busbw.json")
+        return {
+            "gpu": GPUS["h100"],
+            "intra": NVLINK4,
+            "inter": EFA_P5_PER_GPU,
+            "intra_efficiency": dict(H100_INTRA_EFFICIENCY),
+            "inter_efficiency": EFA_EFFICIENCY,
+            "base_latency": NCCL_BASE_LATENCY_S,
+            "busbw_curves": curves,
+            "curve_message_bytes": message_bytes,
+            "curve_gpus_per_node": gpn,
+            "source": "the Ultra-Scale Playbook's cluster; busbw calibration: " + source,
+        }
+    if name == "a100":
+        return {
+            "gpu": GPUS["a100"],
+            "intra": NVLINK3,
+            "inter": HDR_IB_PER_GPU,
+            "intra_efficiency": dict(A100_INTRA_EFFICIENCY),
+            "inter_efficiency": IB_EFFICIENCY,
+            "base_latency": NCCL_BASE_LATENCY_S,
+            "source": "DGX A100 nodes, NVLink3/NVSwitch, HDR InfiniBand (datasheets)",
+        }
+    if name == "cpu":
+        return {
+            "gpu": GPUS["cpu"],
+            "intra": CPU_LOOPBACK,
+            "inter": CPU_ETHERNET,
+            "intra_efficiency": dict.fromkeys(COLLECTIVES, 1.0),
+            "inter_efficiency": 1.0,
+            "base_latency": 0.0,
+            "source": "placeholder CPU profile; run `autopar calibrate` and use Cluster.local()",
+        }
+    raise KeyError(name)
+
+
+PROFILES = ("h100", "h100-efa", "h200", "a100", "cpu")
+_OVERRIDABLE = (
+    "gpu",
+    "intra",
+    "inter",
+    "busbw_curves",
+    "curve_message_bytes",
+    "curve_gpus_per_node",
+    "intra_efficiency",
+    "inter_efficiency",
+    "base_latency",
+    "collective_fits",
+    "source",
+)
+
+
+def _check_count(what: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"Cluster({what}={value!r}): {what} must be an integer >= 1, e.g. {what}=1"
+        )
+    return value
+
+
+@dataclass(init=False)
+class Cluster:
+    """A training cluster: ``nodes`` nodes of ``gpus_per_node`` GPUs of kind ``gpu``.
+
+    ``Cluster(name="h100", nodes=1, gpus_per_node=8, **overrides)`` starts from the named profile
+    (``PROFILES``) and replaces any field given in ``overrides`` (``gpu`` may be a GPU name).
+
+    intra / inter: the NVLink and the per-GPU network link.
+    busbw_curves: kind -> [(nodes, busbw B/s)] measured at large messages (calibrated profiles),
+        taken at ``curve_message_bytes`` with ``curve_gpus_per_node`` GPUs per node.
+    intra_efficiency: achieved busbw / intra.bandwidth inside one node, per collective kind.
+    inter_efficiency: achieved fraction of inter.bandwidth per NIC.
+    base_latency: fixed cost of one collective call (seconds).
+    collective_fits: per-kind alpha-beta fits measured by `autopar calibrate` (local only).
+    """
+
+    name: str
+    gpu: GPUSpec
+    nodes: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    busbw_curves: dict[str, list[tuple[float, float]]] | None
+    curve_message_bytes: float
+    curve_gpus_per_node: int
+    intra_efficiency: dict[str, float]
+    inter_efficiency: float
+    base_latency: float
+    collective_fits: dict[str, CollectiveFit] | None
+    source: str
+
+    def __init__(self, name: str = "h100", nodes: int = 1, gpus_per_node: int = 8, **overrides):
+        key = str(name).lower()
+        if key not in PROFILES:
+            close = difflib.get_close_matches(key, PROFILES, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"unknown cluster profile {name!r}; known: {list(PROFILES)}, or "
+                f"Cluster.local() for this machine.{hint}"
+            )
+        unknown = set(overrides) - set(_OVERRIDABLE)
+        if unknown:
+            raise ValueError(
+                f"Cluster(...) got unknown fields {sorted(unknown)}; "
+                f"overridable: {list(_OVERRIDABLE)}"
+            )
+        values = {
+            "busbw_curves": None,
+            "curve_message_bytes": 0.0,
+            "curve_gpus_per_node": 0,
+            "collective_fits": None,
+        }
+        values.update(_profile(key))
+        values.update(overrides)
+        if isinstance(values["gpu"], str):
+            values["gpu"] = get_gpu(values["gpu"])
+        self._assign(name=key, nodes=nodes, gpus_per_node=gpus_per_node, **values)
+
+    def _assign(self, **values) -> None:
+        self.name = values["name"]
+        self.nodes = _check_count("nodes", values["nodes"])
+        self.gpus_per_node = _check_count("gpus_per_node", values["gpus_per_node"])
+        for f in fields(self):
+            if f.name not in ("name", "nodes", "gpus_per_node"):
+                setattr(self, f.name, values[f.name])
+        missing = set(COLLECTIVES) - set(self.intra_efficiency)
+        if missing:
+            raise ValueError(
+                f"Cluster.intra_efficiency lacks {sorted(missing)}; give all of {COLLECTIVES}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Total GPUs: nodes * gpus_per_node."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether measured bus-bandwidth curves back this profile's network model."""
+        return bool(self.busbw_curves)
+
+    @classmethod
+    def local(cls, path: str | os.PathLike | None = None) -> Cluster:
+        """This machine, from ``autopar calibrate``'s file ($AUTOPAR_CALIBRATION or
+        ``~/.cache/autopar/calibration.json``); without one, a CPU placeholder and a warning.
+
+        Local ranks are processes on one host, so the cluster is one node whose "GPUs" are the
+        ranks; each rank's memory is the host's RAM divided among them.
+        """
+        source = Path(path) if path is not None else default_calibration_path()
+        if not source.exists():
+            warnings.warn(
+                f"no calibration at {source}; using placeholder CPU numbers. Run "
+                "`autopar calibrate` to measure this machine (or set $AUTOPAR_CALIBRATION).",
+                stacklevel=2,
+            )
+            ranks = min(os.cpu_count() or 1, 4)  # local tests use 2-4 gloo ranks
+            spec = GPUS["cpu"]
+            spec = GPUSpec(**{**spec.to_dict(), "memory_bytes": _host_memory_bytes() / ranks})
+            return cls("cpu", nodes=1, gpus_per_node=ranks, gpu=spec)._renamed("local")
+        cal = load_calibration(source)
+        ranks = cal.world_size
+        memory = cal.memory_bytes if cal.memory_bytes is not None else _host_memory_bytes()
+        where = f"`autopar calibrate` on {cal.host or 'this host'} {cal.date} ({source})"
+        spec = GPUSpec(
+            name="cpu-local",
+            peak_flops=dict(cal.matmul_flops),
+            memory_bytes=memory / ranks,
+            memory_bw=cal.memory_bw,
+            matmul_efficiency=1.0,  # measured rates are achieved rates already
+            memory_efficiency=1.0,
+            kernel_floor_s=cal.kernel_floor_s,
+            source=f"measured by {where}",
+        )
+        fits = dict(cal.collectives)
+        best = max((f.busbw for f in fits.values()), default=CPU_LOOPBACK.bandwidth)
+        ref = fits.get("all_reduce") or next(iter(fits.values()), None)
+        # One ring hop of the reference fit: all-reduce has 2(n-1) hops.
+        hop = ref.latency_s / max(1, 2 * (ranks - 1)) if ref else CPU_LOOPBACK.latency
+        intra = Link(bandwidth=best, latency=hop, source=f"measured by {where}")
+        efficiency = {k: (fits[k].busbw / best if k in fits else 1.0) for k in COLLECTIVES}
+        return cls(
+            "cpu",
+            nodes=1,
+            gpus_per_node=ranks,
+            gpu=spec,
+            intra=intra,
+            intra_efficiency=efficiency,
+            base_latency=0.0,
+            collective_fits=fits,
+            source=f"this machine, {where}",
+        )._renamed("local")
+
+    def _renamed(self, name: str) -> Cluster:
+        self.name = name
+        return self
+
+    def describe(self) -> str:
+        """One line: profile, shape, GPU and links."""
+        if self.collective_fits:
+            net = "measured collectives"
+        elif self.calibrated:
+            net = "calibrated busbw curves"
+        else:
+            net = "parametric network model"
+        return (
+            f"{self.name}: {self.nodes} node(s) x {self.gpus_per_node} {self.gpu.name} "
+            f"= {self.world_size} devices; intra {self.intra.bandwidth / 1e9:.0f} GB/s, "
+            f"inter {self.inter.bandwidth / 1e9:.1f} GB/s per device ({net})"
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-safe dict of every field."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, GPUSpec):
+                value = value.to_dict()
+            elif isinstance(value, Link):
+                value = {
+                    "bandwidth": value.bandwidth,
+                    "latency": value.latency,
+                    "source": value.source,
+                }
+            elif f.name == "busbw_curves" and value is not None:
+                value = {k: [list(p) for p in pts] for k, pts in value.items()}
+            elif f.name == "collective_fits" and value is not None:
+                value = {k: {"latency_s": v.latency_s, "busbw": v.busbw} for k, v in value.items()}
+            elif isinstance(value, dict):
+                value = dict(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Cluster:
+        """Inverse of `to_dict` (works for local and overridden clusters too)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Cluster fields {sorted(unknown)}; known: {sorted(known)}")
+        missing = known - set(data)
+        if missing:
+            raise ValueError(f"Cluster dict lacks {sorted(missing)}")
+        values = dict(data)
+        values["gpu"] = GPUSpec.from_dict(data["gpu"])
+        values["intra"] = Link(**data["intra"])
+        values["inter"] = Link(**data["inter"])
+        if data["busbw_curves"] is not None:
+            values["busbw_curves"] = {
+                k: [(float(n), float(b)) for n, b in pts] for k, pts in data["busbw_curves"].items()
+            }
+        if data["collective_fits"] is not None:
+            values["collective_fits"] = {
+                k: CollectiveFit(**v) for k, v in data["collective_fits"].items()
+            }
+        obj = cls.__new__(cls)
+        obj._assign(**values)
+        return obj
+
+
+def _host_memory_bytes() -> float:
+    """Physical RAM of this host from the OS (falls back to the CPU placeholder)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return GPUS["cpu"].memory_bytes

@@ -1,0 +1,337 @@
+"""Run a function on N local ``torch.distributed`` ranks, one process each, without hanging.
+
+``spawn(fn, world_size)`` is the launcher used by multi-process tests and by ``autopar
+calibrate``: it starts ``world_size`` processes with the multiprocessing "spawn" start method,
+initialises a process group in each (gloo by default, over TCP on a free localhost port),
+calls ``fn(rank, world_size, *args)`` and returns the ranks' return values in rank order.
+
+What it guarantees, because a hung CI job is worse than a failed one:
+
+- a rank that raises makes the whole launch fail at once with :class:`RankFailedError`
+  carrying that rank's formatted traceback; the other ranks (likely blocked in a collective
+  waiting for the dead one) are terminated rather than waited for;
+- a rank that dies without reporting (``os._exit``, a segfault, a SIGKILL) is noticed through
+  its process sentinel within milliseconds, not at the timeout;
+- a global ``timeout_s`` bounds the whole launch and names the ranks that had not finished;
+- the port race (another process grabbing the port between our probe and the TCP store's
+  bind) is retried once with a fresh port.
+
+Each child pipe carries exactly one message: ``("ok", value)`` or ``("error", phase, text)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["RankFailedError", "free_port", "spawn"]
+
+# How long ranks get to exit on their own after reporting success (they only have to destroy
+# the process group) before they are killed.
+_JOIN_GRACE_S = 10.0
+# How long a SIGTERM'd rank gets before SIGKILL.
+_TERMINATE_GRACE_S = 2.0
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised an exception, or its process died without reporting a result.
+
+    Attributes:
+        rank: the failing rank.
+        traceback_text: the rank's formatted traceback, or a description of how it died.
+        exitcode: the process exit code when the rank died without reporting, else ``None``.
+    """
+
+    def __init__(self, rank: int, traceback_text: str, exitcode: int | None = None) -> None:
+        self.rank = rank
+        self.traceback_text = traceback_text
+        self.exitcode = exitcode
+        if exitcode is None:
+            msg = f"rank {rank} failed:\n{traceback_text}"
+        else:
+            msg = f"rank {rank} died: {traceback_text}"
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep the exception picklable (pytest-xdist, nested launchers) despite the custom init.
+        return (type(self), (self.rank, self.traceback_text, self.exitcode))
+
+
+class _AddressInUse(Exception):
+    """Internal: rank setup failed because the chosen port was taken; the launch is retried."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (bound to port 0 and released).
+
+    Another process can still take it before it is used; :func:`spawn` retries once for that.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _is_address_in_use(text: str) -> bool:
+    low = text.lower()
+    return "address already in use" in low or "eaddrinuse" in low
+
+
+# Errors a rank gets because a *peer* died (gloo sees the TCP connection drop); when several
+# reports arrive together, the one without these is the root cause.
+_SECONDARY_ERROR_MARKERS = ("connection closed by peer", "connection reset", "broken pipe")
+
+
+def _root_cause(errors: list[tuple[int, str, str]]) -> tuple[int, str, str]:
+    """Pick the report to raise from those that arrived together: a primary failure first."""
+    for err in errors:
+        if not any(m in err[2].lower() for m in _SECONDARY_ERROR_MARKERS):
+            return err
+    return errors[0]
+
+
+def _describe_death(code: int | None) -> str:
+    """Say how a rank that never reported ended, with the likely reason."""
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            how = f"killed by signal {-code} (exit code {code})"
+    else:
+        how = f"exited (exit code {code})"
+    return (
+        f"{how} without reporting a result (a crash, os._exit, the OOM killer, or a failure "
+        "before the rank started, e.g. fn not importable by name in a spawned child: see the "
+        "rank's stderr)"
+    )
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    port: int,
+    backend: str,
+    timeout_s: float,
+    env: dict[str, str],
+    conn: Connection,
+) -> None:
+    """Child entry point: init the group, run ``fn``, report exactly one message, clean up."""
+    # The parent already exported env before starting us (so the OpenMP runtime saw it at load
+    # time); setting it again covers variables a caller reads lazily through os.environ.
+    os.environ.update(env)
+    phase = "init"
+    try:
+        import torch
+        import torch.distributed as dist
+
+        threads = env.get("OMP_NUM_THREADS")
+        if threads and threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        phase = "run"
+        value = fn(rank, world_size, *args)
+        phase = "result"
+        # send() pickles before writing anything, so an unpicklable result becomes a clean
+        # error message instead of a torn pipe.
+        conn.send(("ok", value))
+    except BaseException:  # everything, including SystemExit, must be reported
+        text = traceback.format_exc()
+        with contextlib.suppress(Exception):
+            conn.send(("error", phase, text))
+        conn.close()
+        # Skip destroy_process_group: peers may be stuck in a collective with us and the parent
+        # is about to kill everyone anyway.
+        os._exit(1)
+    conn.close()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # the result is already delivered; teardown is best effort
+        pass
+
+
+@contextlib.contextmanager
+def _exported_env(env: dict[str, str]) -> Iterator[None]:
+    """Temporarily export ``env`` so spawned children inherit it from their first instruction."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _stop(procs: list[mp.process.BaseProcess]) -> None:
+    """Terminate every live process at once, then SIGKILL whatever ignores SIGTERM."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def _launch_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    backend: str,
+    env: dict[str, str],
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs: list[mp.process.BaseProcess] = []
+    readers: list[Connection] = []
+    results: dict[int, Any] = {}
+    # Ranks whose pipe hit EOF without a report; their death is confirmed by the sentinel.
+    silent: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    try:
+        with _exported_env(env):
+            for rank in range(world_size):
+                r, w = ctx.Pipe(duplex=False)
+                p = ctx.Process(
+                    target=_worker,
+                    args=(fn, rank, world_size, args, port, backend, timeout_s, env, w),
+                    name=f"autopar-rank{rank}",
+                )
+                p.start()
+                # Close our copy of the write end so a dead child reads as EOF, not silence.
+                w.close()
+                procs.append(p)
+                readers.append(r)
+
+        def handle(rank: int) -> tuple[int, str, str] | None:
+            """Read rank's report: store a result, or return (rank, phase, traceback)."""
+            try:
+                msg = readers[rank].recv()
+            except (EOFError, OSError):
+                # Died mid-report or without one: the sentinel check reports it. Stop waiting
+                # on this pipe, which would otherwise read as ready forever.
+                silent.add(rank)
+                return None
+            if msg[0] == "ok":
+                results[rank] = msg[1]
+                return None
+            return (rank, msg[1], msg[2])
+
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [r for r in range(world_size) if r not in results]
+                raise TimeoutError(
+                    f"spawn timed out after {timeout_s:g} s; ranks not finished: {missing}"
+                )
+            pending = [r for r in range(world_size) if r not in results]
+            waitables: list[Any] = [readers[r] for r in pending if r not in silent]
+            waitables += [procs[r].sentinel for r in pending]
+            ready = wait(waitables, timeout=min(remaining, 1.0))
+            if not ready:
+                continue
+            # Read reports before looking at exits: a rank that reported and then exited has
+            # its message sitting in the pipe when its sentinel fires.
+            errors = []
+            for r in pending:
+                if r in silent:
+                    continue
+                if readers[r] in ready or (procs[r].exitcode is not None and readers[r].poll()):
+                    err = handle(r)
+                    if err is not None:
+                        errors.append(err)
+            if errors:
+                rank, phase, text = _root_cause(errors)
+                if phase == "init" and _is_address_in_use(text):
+                    raise _AddressInUse(text)
+                raise RankFailedError(rank, text)
+            for r in pending:
+                if r not in results and procs[r].exitcode is not None:
+                    code = procs[r].exitcode
+                    raise RankFailedError(r, _describe_death(code), code)
+
+        # Everyone reported; let them tear down their process groups, but don't wait forever.
+        join_deadline = time.monotonic() + min(_JOIN_GRACE_S, max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            p.join(max(0.0, join_deadline - time.monotonic()))
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        for r in readers:
+            r.close()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes, one per rank.
+
+    Each process initialises ``torch.distributed`` (``backend``, TCP rendezvous on a free
+    127.0.0.1 port, process-group timeout ``timeout_s``) before calling ``fn`` and destroys
+    the group afterwards. ``fn`` and ``args`` must be picklable by reference (a module-level
+    function), as with any "spawn" start method; the caller's ``__main__`` must be guarded by
+    ``if __name__ == "__main__"`` because the children re-import it.
+
+    Args:
+        fn: the per-rank function; its return value must be picklable.
+        world_size: number of ranks (processes).
+        args: extra positional arguments passed to ``fn`` after ``rank, world_size``.
+        timeout_s: wall-clock limit for the whole launch, process start-up included.
+        backend: ``torch.distributed`` backend ("gloo" on CPU).
+        env: environment variables for the children. ``OMP_NUM_THREADS=1`` is set by default
+            (a few ranks share few cores; oversubscribed OpenMP threads make everything slower)
+            unless ``env`` gives another value.
+
+    Returns:
+        The ranks' return values, ordered by rank.
+
+    Raises:
+        RankFailedError: a rank raised (its traceback is in the message) or died without
+            reporting (its exit code is in the message); the other ranks are terminated.
+        TimeoutError: ``timeout_s`` passed; the message lists the unfinished ranks.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    child_env = {"OMP_NUM_THREADS": "1"}
+    child_env.update({str(k): str(v) for k, v in (env or {}).items()})
+    start = time.monotonic()
+    try:
+        return _launch_once(fn, world_size, tuple(args), timeout_s, backend, child_env)
+    except _AddressInUse:
+        # Someone took the probed port before rank 0's store bound it: one retry, new port,
+        # within what is left of the caller's time budget.
+        left = max(1.0, timeout_s - (time.monotonic() - start))
+        try:
+            return _launch_once(fn, world_size, tuple(args), left, backend, child_env)
+        except _AddressInUse as e:
+            raise RankFailedError(0, f"address already in use twice in a row:\n{e}") from None

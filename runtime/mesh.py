@@ -1,0 +1,87 @@
+"""Device meshes over the current process group, and a fake world for planning and tests.
+
+``init_mesh`` wraps ``init_device_mesh`` with the check people get wrong most often (a mesh
+shape that does not multiply out to the world size) and a message that says so plainly.
+``fake_world`` gives one process a ``world_size``-rank "fake" process group, so meshes,
+DTensors and traced collectives can be built for worlds far larger than this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["fake_world", "init_mesh"]
+
+
+def init_mesh(
+    shape: tuple[int, ...], names: tuple[str, ...], device_type: str = "cpu"
+) -> DeviceMesh:
+    """Build a named ``DeviceMesh`` of ``shape`` over the already initialised process group.
+
+    Args:
+        shape: ranks per mesh dimension, e.g. ``(2, 2)``; its product must be the world size.
+        names: one name per dimension, e.g. ``("dp", "tp")``.
+        device_type: ``"cpu"`` for gloo / fake groups, ``"cuda"`` for NCCL.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: ``shape`` and ``names`` disagree in length, a name repeats, a size is < 1,
+            or ``prod(shape)`` differs from the world size.
+    """
+    shape = tuple(int(s) for s in shape)
+    names = tuple(names)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"init_mesh{shape}: no process group is initialised; start ranks with "
+            "runtime.launch.spawn (or torchrun), or use runtime.mesh.fake_world for planning"
+        )
+    if len(shape) != len(names):
+        raise ValueError(
+            f"mesh shape {shape} has {len(shape)} dims but names {names} has {len(names)}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh dimension names must be distinct, got {names}")
+    if any(s < 1 for s in shape):
+        raise ValueError(f"mesh shape {shape} has a dimension smaller than 1")
+    world = dist.get_world_size()
+    n = math.prod(shape)
+    if n != world:
+        raise ValueError(
+            f"mesh {shape} has {n} ranks but the process group has {world}: the product of "
+            f"the mesh shape must equal the world size (names {names})"
+        )
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[int]:
+    """Initialise a ``world_size``-rank fake process group in this one process; yield the size.
+
+    The fake backend answers every collective locally without communication, which is what
+    planning needs: meshes like 8x8 or 4x4x4, DTensor placements and collectives traced into
+    graphs, with no processes or real memory. The group is destroyed on exit, even on error.
+
+    Raises:
+        RuntimeError: a process group is already initialised here (nesting would clobber it).
+    """
+    # Imported lazily: torch.testing._internal is a private, test-only module.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "fake_world: a process group is already initialised in this process; "
+            "destroy it first (fake worlds do not nest)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield world_size
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,134 @@
+"""GPU specs, cluster profiles and the calibration file."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from cost.calibration import Calibration, load_calibration, save_calibration
+from cost.cluster import PROFILES, Cluster, Link
+from cost.hardware import GPUS, get_gpu
+
+
+def test_datasheet_peaks():
+    h100, h200, a100 = GPUS["h100"], GPUS["h200"], GPUS["a100"]
+    assert h100.peak("bf16") == 989.5e12  # the playbook's MFU peak
+    assert h100.peak("fp8") == pytest.approx(2 * 989.5e12)  # datasheet 1979 = 2x bf16
+    assert h100.memory_bytes == 80e9 and h100.memory_bw == 3.35e12
+    assert h200.peak_flops == h100.peak_flops
+    assert h200.memory_bytes == 141e9 and h200.memory_bw == 4.8e12
+    assert a100.peak("bf16") == 312e12 and a100.memory_bw == 2.039e12
+    with pytest.raises(ValueError, match="no hardware fp8"):
+        a100.peak("fp8")
+
+
+def test_efficiencies_are_the_h200_measurements():
+    # large-GEMM asymptote fitted to the H200 GEMMs; 4.3 TB/s of 4.8.
+    for name in ("h100", "h200", "a100"):
+        assert GPUS[name].matmul_efficiency == pytest.approx(0.725, abs=1e-3)
+        assert GPUS[name].memory_efficiency == pytest.approx(0.896, abs=1e-3)
+    # large-GEMM asymptotes fitted on the H200: fp8 1316 vs bf16 717 TFLOP/s, 1.83x, not 2x.
+    h = GPUS["h200"]
+    ratio = h.peak("fp8") * h.efficiency("fp8") / (h.peak("bf16") * h.efficiency("bf16"))
+    assert ratio == pytest.approx(1979 * 0.665 / (989.5 * 0.725), rel=1e-3)
+    for spec in GPUS.values():
+        assert spec.source
+
+
+def test_get_gpu_errors_list_names():
+    assert get_gpu("H100") is GPUS["h100"]
+    with pytest.raises(ValueError, match="known:.*'h100'.*did you mean 'h100'"):
+        get_gpu("h10")
+
+
+def test_cluster_profiles_and_validation():
+    c = Cluster("h100", nodes=4)
+    assert c.world_size == 32 and c.gpu is GPUS["h100"]
+    assert c.intra.bandwidth == 450e9 and c.inter.bandwidth == 50e9
+    assert not c.calibrated
+    efa = Cluster("h100-efa", nodes=2)
+    assert efa.calibrated and set(efa.busbw_curves) == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+    }
+    assert efa.busbw_curves["all_reduce"][0] == (1.0, 436e9)
+    for name in PROFILES:
+        cl = Cluster(name)
+        assert cl.intra.source and cl.inter.source and cl.source
+        assert cl.name in cl.describe()
+    with pytest.raises(ValueError, match="did you mean 'h100-efa'|Did you mean 'h100-efa'"):
+        Cluster("h100-ef")
+    with pytest.raises(ValueError, match="nodes must be an integer >= 1"):
+        Cluster("h100", nodes=0)
+    with pytest.raises(ValueError, match="gpus_per_node must be an integer >= 1"):
+        Cluster("h100", gpus_per_node=0)
+    with pytest.raises(ValueError, match="unknown fields"):
+        Cluster("h100", bogus=1)
+
+
+def test_cluster_overrides_and_roundtrip():
+    c = Cluster("h100", nodes=2, gpu="h200", inter=Link(25e9, 3e-6, "test"))
+    assert c.gpu is GPUS["h200"] and c.inter.bandwidth == 25e9
+    for cl in (c, Cluster("h100-efa", nodes=8)):
+        data = json.loads(json.dumps(cl.to_dict()))
+        assert Cluster.from_dict(data) == cl
+
+
+def test_local_without_file_warns(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "missing.json"))
+    with pytest.warns(UserWarning, match="autopar calibrate"):
+        c = Cluster.local()
+    assert c.nodes == 1 and 1 <= c.gpus_per_node <= 4
+    assert c.gpu.memory_bytes > 0
+
+
+def test_local_from_calibration(tmp_path, monkeypatch):
+    data = {
+        "version": 1,
+        "host": "box",
+        "date": "2026-11-29",
+        "world_size": 4,
+        "matmul_flops": {"fp32": 1.5e11, "bf16": 4e10},
+        "memory_bw": 1.0e10,
+        "kernel_floor_s": 2e-5,
+        "collectives": {
+            "all_reduce": {"latency_s": 1e-4, "busbw": 1e9},
+            "all_gather": {"latency_s": 6e-5, "busbw": 8e8},
+        },
+        "torch": "2.13.0",  # extra keys `autopar calibrate` writes are kept
+        "raw": {"quick": True},
+    }
+    path = save_calibration(data, tmp_path / "cal.json")
+    assert load_calibration(path) == Calibration.from_dict(data)
+    assert json.loads(path.read_text()) == data  # round trip, extras included
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = Cluster.local()
+    assert c.gpu.name == "cpu-local" and c.gpus_per_node == 4
+    assert c.gpu.peak("fp32") == 1.5e11 and c.gpu.kernel_floor_s == 2e-5
+    assert c.intra.bandwidth == 1e9
+    assert c.intra_efficiency["all_gather"] == pytest.approx(0.8)
+    assert Cluster.from_dict(c.to_dict()) == c
+
+
+def test_calibration_rejects_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="version"):
+        Calibration.from_dict({"version": 2})
+    with pytest.raises(ValueError, match="lacks 'memory_bw'"):
+        Calibration.from_dict(
+            {
+                "version": 1,
+                "world_size": 2,
+                "matmul_flops": {"fp32": 1.0},
+                "kernel_floor_s": 1e-5,
+                "collectives": {},
+            }
+        )
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="autopar calibrate"):
+        load_calibration(bad)
