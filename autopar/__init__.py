@@ -7,14 +7,21 @@ over a cluster, and run it on torch.distributed.
 from autopar import models
 from autopar.capture import TrainingGraph, capture
 from autopar.errors import AutoparError, CaptureError, InputError
+from autopar.planner import Plan, plan
+from cost import Cluster, Layout, LayoutError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoparError",
     "CaptureError",
+    "Cluster",
     "InputError",
+    "Layout",
+    "LayoutError",
+    "Plan",
     "TrainingGraph",
     "capture",
     "models",
+    "plan",
 ]

@@ -144,6 +144,7 @@ def capture(
     example_inputs: Sequence[torch.Tensor],
     loss_fn: Callable | None = None,
     via_export: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> TrainingGraph:
     """Capture ``loss = model(*example_inputs); loss.backward()`` as a joint aten graph.
 
@@ -152,6 +153,8 @@ def capture(
     inputs but the last and the loss is ``loss_fn(output, example_inputs[-1])``.
     Raises `CaptureError` naming the module, the source line and the fix when the model cannot
     be traced, and `InputError` for example inputs that do not fit the model.
+    ``dtype`` captures with every floating parameter and buffer in that dtype (planning a bf16
+    step of a model built in fp32), without touching the model.
     """
     from autopar.validate import validate_inputs
 
@@ -162,8 +165,8 @@ def capture(
 
     t0 = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with _fake_parameters(root, fake_mode) as groups:
-        fake_inputs = tuple(_to_fake(x, fake_mode) for x in example_inputs)
+    with _fake_parameters(root, fake_mode, dtype) as groups:
+        fake_inputs = tuple(_to_fake(x, fake_mode, dtype) for x in example_inputs)
         _preflight(root, fake_inputs, fake_mode, module_names)
         t_preflight = time.perf_counter() - t0
         try:
@@ -366,17 +369,19 @@ def _check_loss(outputs: list[GraphOutput], gm: torch.fx.GraphModule) -> None:
         )
 
 
-def _to_fake(x, fake_mode: FakeTensorMode):
-    """A fake CPU tensor with x's shape and dtype (meta and real tensors alike)."""
+def _to_fake(x, fake_mode: FakeTensorMode, dtype: torch.dtype | None = None):
+    """A fake CPU tensor with x's shape and dtype (meta and real tensors alike); floating
+    tensors take ``dtype`` when one is given."""
     if not isinstance(x, torch.Tensor):
         return x
     device = torch.device("cpu") if x.device.type == "meta" else x.device
+    target = dtype if dtype is not None and x.is_floating_point() else x.dtype
     with fake_mode:
-        return torch.empty(x.shape, dtype=x.dtype, device=device)
+        return torch.empty(x.shape, dtype=target, device=device)
 
 
 @contextlib.contextmanager
-def _fake_parameters(root: nn.Module, fake_mode: FakeTensorMode):
+def _fake_parameters(root: nn.Module, fake_mode: FakeTensorMode, dtype: torch.dtype | None = None):
     """Temporarily swap every parameter and buffer of ``root`` for a fake CPU tensor.
 
     Tied parameters stay tied (one fake per original tensor). Yields the groups of names that
@@ -397,7 +402,7 @@ def _fake_parameters(root: nn.Module, fake_mode: FakeTensorMode):
                     if qual not in names.setdefault(key, []):
                         names[key].append(qual)
                     if key not in fakes:
-                        fake = _to_fake(tensor.detach(), fake_mode)
+                        fake = _to_fake(tensor.detach(), fake_mode, dtype)
                         if kind == "_parameters":
                             fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
                         fakes[key] = fake

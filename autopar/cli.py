@@ -23,6 +23,9 @@ def _parse_tokens(text: str) -> int:
 
 def _write_json(path: str | None, data) -> None:
     if path:
+        import os
+
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(data, f, indent=2, default=str)
         print(f"wrote {path}")
@@ -36,6 +39,88 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report, _, _ = inspect_model(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype)
     print(format_report(report))
     _write_json(args.json, report.to_dict())
+    return 0
+
+
+def _cluster(args: argparse.Namespace):
+    from cost import Cluster
+
+    if args.cluster == "local":
+        return Cluster.local()
+    return Cluster(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+
+
+def _layout_from_args(args: argparse.Namespace):
+    """A manual Layout from --layout 'dp=8,tp=8,zero=1,sp=1,...' (None if not given)."""
+    if not args.layout:
+        return None
+    from cost import Layout
+
+    fields = {}
+    for item in args.layout.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key in ("sp", "fp32_grad_accum"):
+            fields[key] = value.strip().lower() in ("1", "true", "yes", "on")
+        elif key in ("schedule", "recompute", "precision"):
+            fields[key] = value.strip()
+        else:
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"--layout {item!r}: {key} takes an integer") from None
+    return Layout.from_dict(fields)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from autopar import models
+    from autopar.planner import plan
+
+    cluster = _cluster(args)
+    seq = args.seq
+    if args.global_batch_tokens % seq:
+        raise ValueError(
+            f"--global-batch-tokens {args.global_batch_tokens:,} is not a whole number of "
+            f"sequences of {seq}: use a multiple of {seq}"
+        )
+    batch = args.global_batch_tokens // seq
+    model = models.build(args.model, device="meta", dtype=torch.bfloat16)
+    inputs = models.example_inputs(args.model, batch=batch, seq=seq, device="meta")
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.quiet else None
+    result = plan(model, inputs, cluster=cluster, layout=_layout_from_args(args), progress=progress,
+                  **({"allow_fp8": True} if args.fp8 else {}))
+    print(result.summary())
+    if args.layout is None:
+        print()
+        print(result.compare_manual())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json())
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "cost-model":
+        from autopar.bench_cost_model import format_cost_model_bench, run_cost_model_bench
+
+        result = run_cost_model_bench(quick=args.quick)
+        print(format_cost_model_bench(result))
+    elif args.what == "block-check":
+        from autopar.bench_block import block_check, format_block_check
+
+        result = block_check(args.measured) if args.measured else block_check()
+        print(format_block_check(result))
+    elif args.what == "solver":
+        from autopar.bench_solver import format_solver_bench, run_solver_bench
+
+        result = run_solver_bench(quick=args.quick)
+        print(format_solver_bench(result))
+    else:  # argparse restricts the choices
+        raise ValueError(args.what)
+    _write_json(args.json or f"results/bench-{args.what}.json", result)
     return 0
 
 
@@ -66,6 +151,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (~20 s)")
     p.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser("plan", help="choose (or evaluate) the parallel layout of a zoo model on a cluster")
+    p.add_argument("--model", required=True, help="zoo name, e.g. llama3-8b")
+    p.add_argument("--cluster", default="h100", help="profile: h100, h100-efa, h200, a100, or local")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--global-batch-tokens", type=_parse_tokens, default=2**20,
+                   help="tokens per optimizer step, e.g. 1M (default 1M = 1,048,576)")
+    p.add_argument("--layout", help="evaluate a manual layout instead, e.g. dp=8,tp=8,zero=1,sp=1,microbatch=2,grad_accum=16")
+    p.add_argument("--fp8", action="store_true", help="let the solver run matmuls in FP8")
+    p.add_argument("--json", help="write the plan as JSON to this path")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("bench", help="benchmarks: tables plus JSON in results/")
+    p.add_argument("what", choices=["cost-model", "block-check", "solver"])
+    p.add_argument("--quick", action="store_true", help="fewer points")
+    p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
+    p.add_argument("--json", help="where to write the results (default results/bench-WHAT.json)")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

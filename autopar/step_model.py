@@ -117,6 +117,7 @@ class StepFacts:
     param_stages_layer: dict[str, list[int]] = field(default_factory=dict)
     param_dtype_bytes: dict[str, int] = field(default_factory=dict)
     recipe: TPRecipe | None = None
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_graph(
@@ -153,6 +154,7 @@ class StepFacts:
             block_input_bytes=self.block_input_bytes * r,
             event_bytes=np.where(self.event_batch_dep, self.event_bytes * r, self.event_bytes),
             expert_io_bytes=self.expert_io_bytes * r,
+            _memo={},
         )
 
 
@@ -174,8 +176,29 @@ class Prediction:
         """Plain dict (JSON-ready), with the contract's keys."""
         return asdict(self)
 
+    # Mapping-style access too: plan.predicted["step_time_s"] reads like plan.predicted.step_time_s
     def __getitem__(self, key: str):
+        if key not in self.keys():
+            raise KeyError(key)
         return getattr(self, key)
+
+    def keys(self) -> list[str]:
+        """Field names."""
+        return [f.name for f in dataclasses.fields(self)]
+
+    def get(self, key: str, default=None):
+        """Field value or ``default``."""
+        return getattr(self, key) if key in self.keys() else default
+
+    def items(self):
+        """(name, value) pairs."""
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __iter__(self):
+        return iter(self.keys())
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,6 +452,17 @@ def check_layout(facts: StepFacts, cluster: Cluster, layout: Layout) -> None:
         raise LayoutError(f"precision='fp8' but {cluster.gpu.name} has no FP8 tensor cores; use bf16")
 
 
+def predict_memory(facts: StepFacts, cluster: Cluster, layout: Layout, check: bool = True) -> MemoryBreakdown:
+    """Memory of the fullest device under ``layout`` (cheaper than `predict`: no timing)."""
+    if check:
+        check_layout(facts, cluster, layout)
+    n_layers = max(facts.n_layers, 1)
+    rec = recipe(layout.precision, layout.fp32_grad_accum)
+    params_stage = _params_per_stage(facts, layout, n_layers)
+    memory = _memory(facts, cluster, layout, rec, params_stage, layout.microbatch / facts.batch, n_layers)
+    return max(memory, key=lambda b: b.total)
+
+
 def predict(facts: StepFacts, cluster: Cluster, layout: Layout) -> Prediction:
     """Step time, throughput, MFU and memory per device of ``layout`` on ``cluster``."""
     check_layout(facts, cluster, layout)
@@ -563,7 +597,14 @@ def predict(facts: StepFacts, cluster: Cluster, layout: Layout) -> Prediction:
 
 
 def _tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.ndarray:
-    """Exposed TP communication per pipeline stage for one micro-batch."""
+    """Exposed TP communication per pipeline stage for one micro-batch (memoised)."""
+    key = ("tp_exposed", cluster.describe(), lay.tp, lay.cp, lay.sp, lay.microbatch, lay.precision, pp, facts.batch)
+    if key not in facts._memo:
+        facts._memo[key] = _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp)
+    return facts._memo[key]
+
+
+def _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.ndarray:
     tp, cp = lay.tp, lay.cp
     group = axis_group(cluster, tp, 1)
     ev_bytes = facts.event_bytes * np.where(facts.event_batch_dep, scale / cp, 1.0)
@@ -601,7 +642,16 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
 
     Matmuls run at the GEMM efficiency curve of `cost.compute.gemm_efficiency` for their local
     size; element-wise work is memory-bound; a kernel launch costs at least the GPU's floor.
+    Memoised per (cluster, tp, cp, sp, micro-batch, precision): the search re-uses it.
     """
+    key = ("times", cluster.gpu.name, cluster.gpu.memory_bw, layout.tp, layout.cp, layout.sp, layout.microbatch,
+           layout.precision, facts.batch)
+    if key not in facts._memo:
+        facts._memo[key] = _node_times(facts, cluster, layout)
+    return facts._memo[key]
+
+
+def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     gpu, lay = cluster.gpu, layout
     tp, cp = lay.tp, lay.cp
     scale = lay.microbatch / facts.batch
@@ -637,7 +687,14 @@ def _stage_of(layer: np.ndarray, n_layers: int, pp: int) -> np.ndarray:
 
 
 def _params_per_stage(facts: StepFacts, lay: Layout, n_layers: int) -> np.ndarray:
-    """Parameters held by each pipeline stage after TP and EP sharding."""
+    """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
+    key = ("stage_params", lay.tp, lay.ep, lay.pp)
+    if key not in facts._memo:
+        facts._memo[key] = _compute_params_per_stage(facts, lay, n_layers)
+    return facts._memo[key]
+
+
+def _compute_params_per_stage(facts: StepFacts, lay: Layout, n_layers: int) -> np.ndarray:
     out = np.zeros(lay.pp)
     for name, numel in facts.param_numel.items():
         local = numel / (lay.tp if facts.param_tp_sharded[name] else 1)
@@ -646,6 +703,23 @@ def _params_per_stage(facts: StepFacts, lay: Layout, n_layers: int) -> np.ndarra
         for s in stages:  # a tied embedding lives on the first and the last stage
             out[s] += local
     return out
+
+
+def _block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:
+    """Parameters of one block on one device (what ZeRO-3 gathers at a time), memoised."""
+    key = ("block_params", lay.tp, lay.ep)
+    if key not in facts._memo:
+        in_blocks = sum(
+            n / (lay.tp if facts.param_tp_sharded[p] else 1) / (lay.ep if facts.param_expert[p] else 1)
+            for p, n in facts.param_numel.items()
+            if all(0 <= layer < n_layers for layer in facts.param_stages_layer[p])
+        )
+        largest = max(
+            (n / (lay.tp if facts.param_tp_sharded[p] else 1) for p, n in facts.param_numel.items()),
+            default=0.0,
+        )
+        facts._memo[key] = in_blocks / facts.n_layers if facts.n_layers else largest
+    return facts._memo[key]
 
 
 def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[MemoryBreakdown]:
@@ -667,18 +741,7 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
         block_in = facts.block_input_bytes * scale / cp / (tp if lay.sp else 1)
         layers_per_stage = np.bincount(_stage_of(np.arange(n_layers), n_layers, pp), minlength=pp)
         per_stage = per_stage + layers_per_stage * block_in
-    largest_layer = max(
-        (n / (tp if facts.param_tp_sharded[p] else 1) for p, n in facts.param_numel.items()), default=0
-    )
-    # the largest single weight is a lower bound of a layer's weights; a block holds ~10 of them
-    block_params = largest_layer
-    if facts.n_layers:
-        in_blocks = sum(
-            n / (tp if facts.param_tp_sharded[p] else 1) / (lay.ep if facts.param_expert[p] else 1)
-            for p, n in facts.param_numel.items()
-            if all(0 <= layer < n_layers for layer in facts.param_stages_layer[p])
-        )
-        block_params = in_blocks / facts.n_layers
+    block_params = _block_params(facts, lay, n_layers)
     out = []
     for s in range(pp):
         states = model_state_bytes(float(params_stage[s]), rec, lay.zero, lay.dp * cp)
