@@ -46,7 +46,8 @@ def _tp_options(cluster: Cluster, facts: StepFacts, mode: str) -> list[int]:
     if mode == "1":
         return [1]
     heads = facts.heads or cluster.gpus_per_node
-    return [t for t in divisors(cluster.gpus_per_node) if t > 1 and heads % t == 0] or [1]
+    kv = facts.kv_heads or heads  # Megatron as people run it: K/V heads split evenly too
+    return [t for t in divisors(cluster.gpus_per_node) if t > 1 and heads % t == 0 and kv % t == 0] or [1]
 
 
 def family_layouts(family: Family, cluster: Cluster, facts: StepFacts) -> Iterator[Layout]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from autopar.analysis import analyze
-from autopar.capture import capture
+from autopar.analysis import GraphAnalysis, analyze
+from autopar.capture import TrainingGraph, capture
 from autopar.errors import InputError
 from autopar.report import fmt_bytes, fmt_count, fmt_time, table
 from autopar.step_model import Prediction, StepFacts, check_layout, predict
@@ -255,22 +255,79 @@ def _collectives_of(role: str, layout: Layout) -> str:
 
 # Captured steps of recent plans, so explain() can evaluate other layouts without recapture.
 _FACTS_FOR_PLAN: dict[int, StepFacts] = {}
-_FACTS_CACHE: dict[tuple, StepFacts] = {}
+_STEP_CACHE: dict[tuple, CapturedStep] = {}
+
+
+@dataclass
+class CapturedStep:
+    """A captured and analysed training step, and its cost facts per TP recipe (memoised)."""
+
+    graph: TrainingGraph
+    analysis: GraphAnalysis
+    config: object = None
+    fused: bool = True
+    _facts: dict = field(default_factory=dict, repr=False)
+    _ilp: dict = field(default_factory=dict, repr=False)
+
+    def facts(self, roles: dict[str, str] | None = None) -> StepFacts:
+        """Cost facts with Megatron's TP roles, or with ``roles`` where given."""
+        key = tuple(sorted((roles or {}).items()))
+        if key not in self._facts:
+            self._facts[key] = StepFacts.from_graph(self.graph, self.analysis, self.config,
+                                                    fused=self.fused, roles=roles)
+        return self._facts[key]
+
+    def tp_variants(self, cluster: Cluster, tp: int) -> list[tuple[str, StepFacts]]:
+        """The TP recipes worth pricing at degree ``tp``: the ILP's choice and, where its
+        heads and dimensions divide, Megatron's (when the two differ)."""
+        from autopar.tp_ilp import solve_tp_roles
+
+        key = (cluster.describe(), tp)
+        if key not in self._ilp:
+            base = self.facts().recipe
+            head_dim = getattr(self.config, "head_dim", None)
+            self._ilp[key] = solve_tp_roles(self.graph, self.analysis, cluster, tp, sp=True,
+                                            head_dim=head_dim, base=base)
+        ilp = self._ilp[key]
+        base = self.facts()
+        variants = []
+        megatron_ok = _divides(base, self.graph, tp, self.config)
+        if megatron_ok:
+            variants.append(("megatron", base))
+        if not megatron_ok or any(base.recipe.roles.get(p) != r for p, r in ilp.roles.items()):
+            variants.append(("ilp", self.facts(ilp.roles)))
+        return variants
+
+    def ilp_stats(self) -> list[dict]:
+        """Size and time of every TP ILP solved so far."""
+        return [{"tp": k[1], "variables": r.variables, "constraints": r.constraints,
+                 "solve_s": r.solve_time_s, "status": r.status} for k, r in self._ilp.items()]
+
+
+def _divides(facts: StepFacts, graph: TrainingGraph, tp: int, config) -> bool:
+    """Megatron's roles are valid at ``tp``: sharded dims and (KV) heads divide by it."""
+    if config is not None and getattr(config, "n_kv_heads", None):
+        if config.n_heads % tp or config.n_kv_heads % tp:
+            return False
+    for name in facts.recipe.roles:
+        dim = facts.recipe.param_shard_dim(name)
+        if dim is not None and graph.param_shapes[name][dim] % tp:
+            return False
+    return True
 
 
 def step_facts(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None,
-               dtype: torch.dtype, fused: bool = True) -> tuple[StepFacts, str]:
+               dtype: torch.dtype, fused: bool = True) -> tuple[CapturedStep, str]:
     """Capture and analyse the step once per (model, input shapes, dtype); cached."""
     key = (id(model), tuple((tuple(x.shape), x.dtype) for x in example_inputs), id(loss_fn), dtype, fused)
     fingerprint = model_fingerprint(model)
-    if key in _FACTS_CACHE and _FACTS_CACHE[key].recipe is not None:
-        return _FACTS_CACHE[key], fingerprint
-    graph = capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
-    facts = StepFacts.from_graph(graph, analyze(graph), getattr(model, "config", None), fused=fused)
-    if len(_FACTS_CACHE) > 8:
-        _FACTS_CACHE.pop(next(iter(_FACTS_CACHE)))
-    _FACTS_CACHE[key] = facts
-    return facts, fingerprint
+    if key not in _STEP_CACHE:
+        graph = capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
+        step = CapturedStep(graph, analyze(graph), getattr(model, "config", None), fused)
+        if len(_STEP_CACHE) > 4:
+            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+        _STEP_CACHE[key] = step
+    return _STEP_CACHE[key], fingerprint
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -321,18 +378,21 @@ def plan(
     searches for the fastest layout that fits. ``search`` options go to `autopar.solver.solve`.
     """
     cluster = cluster if cluster is not None else Cluster.local()
-    precision = layout.precision if layout is not None else search.get("precision", "bf16")
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    fp32 = (layout.precision if layout is not None else search.pop("precision", "bf16")) == "fp32"
+    dtype = torch.float32 if fp32 or "bf16" not in cluster.gpu.peak_flops else torch.bfloat16
     t0 = time.perf_counter()
     if progress:
         progress(f"capturing the training step ({dtype}) on fake tensors ...")
-    facts, fingerprint = step_facts(model, example_inputs, loss_fn, dtype)
+    step, fingerprint = step_facts(model, example_inputs, loss_fn, dtype)
     name = getattr(getattr(model, "config", None), "name", type(model).__name__)
     if layout is not None:
+        facts = step.facts()
+        if layout.tp > 1 and not _divides(facts, step.graph, layout.tp, step.config):
+            facts = dict(step.tp_variants(cluster, layout.tp))["ilp"]
         check_layout(facts, cluster, layout)
         result = make_plan(facts, cluster, layout, model=name, fingerprint=fingerprint)
         result.solve = {"method": "manual layout", "evaluated": 1, "time_s": time.perf_counter() - t0}
         return result
     from autopar.solver import solve
 
-    return solve(facts, cluster, model=name, fingerprint=fingerprint, progress=progress, **search)
+    return solve(step, cluster, model=name, fingerprint=fingerprint, progress=progress, **search)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 from autopar.errors import AutoparError
 from autopar.manual import best_manual, divisors
-from autopar.planner import Plan, make_plan
+from autopar.planner import CapturedStep, Plan, make_plan
 from autopar.step_model import Prediction, StepFacts, check_layout, predict, predict_memory
 from cost import Cluster, Layout, LayoutError
 
@@ -26,21 +26,25 @@ class NoFeasiblePlanError(AutoparError):
     """No layout fits the cluster's memory: the message gives the shortfall and what to try."""
 
 
-def candidate_layouts(
-    facts: StepFacts,
-    cluster: Cluster,
-    cross_node_tp: bool = False,
-    allow_fp8: bool = False,
-    max_virtual_stages: int = 2,
-) -> Iterator[Layout]:
-    """Every well-formed layout of the search space, in a fixed order."""
-    world, batch, seq = cluster.world_size, facts.batch, facts.seq
-    layers = max(facts.n_layers, 1)
+def tp_degrees(facts: StepFacts, cluster: Cluster, cross_node_tp: bool = False) -> list[int]:
+    """TP degrees to try: inside a node, or (only when nothing else fits) whole nodes."""
+    world = cluster.world_size
     heads = facts.heads or world
     gpn = min(cluster.gpus_per_node, world)
     tps = [t for t in divisors(world) if heads % t == 0 and (t <= gpn) != cross_node_tp]
-    if cross_node_tp:
-        tps = [t for t in tps if t % gpn == 0]
+    return [t for t in tps if t % gpn == 0] if cross_node_tp else tps
+
+
+def candidate_layouts(
+    facts: StepFacts,
+    cluster: Cluster,
+    tps: list[int],
+    allow_fp8: bool = False,
+    max_virtual_stages: int = 2,
+) -> Iterator[Layout]:
+    """Every well-formed layout of the search space with a TP degree in ``tps``, in order."""
+    world, batch, seq = cluster.world_size, facts.batch, facts.seq
+    layers = max(facts.n_layers, 1)
     cps = [c for c in (1, 2, 4, 8) if seq % c == 0 and seq // c >= 2048]
     eps = [e for e in divisors(facts.n_experts)] if facts.n_experts else [1]
     precisions = ("bf16", "fp8") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else ("bf16",)
@@ -65,65 +69,85 @@ def candidate_layouts(
                         ga = batch // (dp * mb)
                         if pp > 1 and ga < pp:
                             continue
-                        for sp in ((False, True) if tp > 1 else (False,)):
+                        for sp in (False, True) if tp > 1 else (False,):
                             for precision in precisions:
                                 for schedule, v in schedules:
                                     for zero in (0, 1, 2, 3):
                                         for recompute in ("none", "selective", "full"):
                                             try:
                                                 yield Layout(
-                                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                                    sp=sp, microbatch=mb, grad_accum=ga,
-                                                    schedule=schedule, virtual_stages=v,
-                                                    recompute=recompute, precision=precision,
+                                                    dp=dp,
+                                                    tp=tp,
+                                                    pp=pp,
+                                                    cp=cp,
+                                                    ep=ep,
+                                                    zero=zero,
+                                                    sp=sp,
+                                                    microbatch=mb,
+                                                    grad_accum=ga,
+                                                    schedule=schedule,
+                                                    virtual_stages=v,
+                                                    recompute=recompute,
+                                                    precision=precision,
                                                 )
                                             except LayoutError:
                                                 continue
 
 
 def search(
-    facts: StepFacts,
+    step: CapturedStep,
     cluster: Cluster,
     allow_fp8: bool = False,
     progress: Callable[[str], None] | None = None,
-) -> tuple[Layout | None, Prediction | None, dict]:
-    """Best fitting layout, its prediction, and search statistics (counts, the fullest misses)."""
-    best: tuple[Layout, Prediction] | None = None
+) -> tuple[Layout | None, Prediction | None, StepFacts | None, dict]:
+    """Best fitting layout, its prediction and cost facts, and search statistics."""
+    best: tuple[Layout, Prediction, StepFacts, str] | None = None
+    base = step.facts()
     stats = {"considered": 0, "evaluated": 0, "fit": 0, "cross_node_tp": False}
     smallest: list[tuple[float, Layout]] = []  # for the infeasible report
     capacity = cluster.gpu.memory_bytes
     last_report = time.perf_counter()
     for cross in (False, True):
-        for layout in candidate_layouts(facts, cluster, cross_node_tp=cross, allow_fp8=allow_fp8):
-            stats["considered"] += 1
-            try:
-                check_layout(facts, cluster, layout)
-            except LayoutError:
-                continue
-            mem = predict_memory(facts, cluster, layout, check=False).total
-            if mem > capacity:
-                smallest.append((mem, layout))
-                if len(smallest) > 64:
-                    smallest = sorted(smallest, key=lambda x: x[0])[:8]
-                continue
-            stats["fit"] += 1
-            stats["evaluated"] += 1
-            pred = predict(facts, cluster, layout)
-            if best is None or pred.step_time_s < best[1].step_time_s - 1e-12:
-                best = (layout, pred)
-            if progress and time.perf_counter() - last_report > 1.0:
-                last_report = time.perf_counter()
-                progress(f"  searched {stats['considered']:,} layouts, {stats['fit']:,} fit; best "
-                         f"{best[0].short()} at {best[1].step_time_s:.3g} s/step")
+        for tp in tp_degrees(base, cluster, cross):
+            variants = [("megatron", base)] if tp == 1 else step.tp_variants(cluster, tp)
+            for recipe_name, facts in variants:
+                for layout in candidate_layouts(facts, cluster, [tp], allow_fp8=allow_fp8):
+                    stats["considered"] += 1
+                    try:
+                        check_layout(facts, cluster, layout)
+                    except LayoutError:
+                        continue
+                    mem = predict_memory(facts, cluster, layout, check=False).total
+                    if mem > capacity:
+                        smallest.append((mem, layout))
+                        if len(smallest) > 64:
+                            smallest = sorted(smallest, key=lambda x: x[0])[:8]
+                        continue
+                    stats["fit"] += 1
+                    stats["evaluated"] += 1
+                    pred = predict(facts, cluster, layout)
+                    if best is None or pred.step_time_s < best[1].step_time_s - 1e-12:
+                        best = (layout, pred, facts, recipe_name)
+                    if progress and best and time.perf_counter() - last_report > 1.0:
+                        last_report = time.perf_counter()
+                        progress(
+                            f"  searched {stats['considered']:,} layouts, {stats['fit']:,} fit; best "
+                            f"{best[0].short()} at {best[1].step_time_s:.3g} s/step"
+                        )
         if best is not None:
             stats["cross_node_tp"] = cross
             break  # TP across nodes only when nothing inside a node fits
-    stats["closest_misses"] = [(m, lay.short()) for m, lay in sorted(smallest, key=lambda x: x[0])[:5]]
-    return (best[0], best[1], stats) if best else (None, None, stats)
+    stats["closest_misses"] = [
+        (m, lay.short()) for m, lay in sorted(smallest, key=lambda x: x[0])[:5]
+    ]
+    if best is None:
+        return None, None, None, stats
+    stats["tp_recipe"] = best[3]
+    return best[0], best[1], best[2], stats
 
 
 def solve(
-    facts: StepFacts,
+    step: CapturedStep,
     cluster: Cluster,
     model: str = "",
     fingerprint: str = "",
@@ -135,21 +159,25 @@ def solve(
     t0 = time.perf_counter()
     if progress:
         progress(f"searching layouts of {model or 'the model'} on {cluster.world_size} devices ...")
-    layout, pred, stats = search(facts, cluster, allow_fp8=allow_fp8, progress=progress)
+    layout, pred, facts, stats = search(step, cluster, allow_fp8=allow_fp8, progress=progress)
     if layout is None:
-        raise NoFeasiblePlanError(_infeasible_message(facts, cluster, stats))
+        raise NoFeasiblePlanError(_infeasible_message(step.facts(), cluster, stats))
     plan = make_plan(facts, cluster, layout, model=model, fingerprint=fingerprint, prediction=pred)
-    manual = best_manual(facts, cluster) if compare_manual else {}
+    manual = best_manual(step.facts(), cluster) if compare_manual else {}
     plan.alternatives = [v for v in manual.values() if v]
     plan.alternative_labels = [k for k, v in manual.items() if v]
     plan.solve = {
-        "method": "exhaustive search over layouts, memory-pruned",
+        "method": "search over layouts (memory-pruned) x TP placement ILP",
+        "tp_recipe": stats.get("tp_recipe"),
+        "ilp": step.ilp_stats(),
         "time_s": time.perf_counter() - t0,
         "evaluated": stats["evaluated"],
         "considered": stats["considered"],
         "fit": stats["fit"],
         "cross_node_tp": stats["cross_node_tp"],
-        "manual_best": {k: (v[0].short(), v[1].step_time_s) if v else None for k, v in manual.items()},
+        "manual_best": {
+            k: (v[0].short(), v[1].step_time_s) if v else None for k, v in manual.items()
+        },
     }
     if progress:
         progress(f"done in {plan.solve['time_s']:.1f} s: {layout.short()}")
@@ -164,7 +192,9 @@ def _infeasible_message(facts: StepFacts, cluster: Cluster, stats: dict) -> str:
         f"device) on {cluster.world_size} devices; {stats['considered']:,} layouts tried."
     ]
     for mem, short in misses:
-        lines.append(f"  {short}: needs {mem / 2**30:.1f} GiB, short by {(mem - capacity) / 2**30:.1f} GiB")
+        lines.append(
+            f"  {short}: needs {mem / 2**30:.1f} GiB, short by {(mem - capacity) / 2**30:.1f} GiB"
+        )
     state = facts.num_params * 18 / cluster.world_size  # bf16 + fp32 master + Adam, fully sharded
     lines.append(
         f"  the model state alone needs {state / 2**30:.1f} GiB per device when sharded over all "

@@ -108,6 +108,7 @@ class StepFacts:
     event_reduce: np.ndarray  # True: reduce (AR / RS), False: gather (AG under SP)
     event_layer: np.ndarray
     event_forward: np.ndarray
+    event_always: np.ndarray  # a gather that is needed without SP too
     # EP all-to-all: activation bytes entering + leaving the experts, per layer
     expert_io_bytes: np.ndarray
     # parameters
@@ -121,14 +122,16 @@ class StepFacts:
 
     @classmethod
     def from_graph(
-        cls, graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True
+        cls, graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True,
+        roles: dict[str, str] | None = None,
     ) -> StepFacts:
         """Collect the facts; ``config`` (a zoo ModelConfig, optional) supplies head counts.
 
         fused: price element-wise chains as fused kernels and save what a fused step saves
         (torch.compile, nanotron's kernels); False prices eager PyTorch, one kernel per op.
+        roles: tensor-parallel roles of some weights (from `tp_ilp`); Megatron's otherwise.
         """
-        return _build_facts(graph, analysis, config, fused)
+        return _build_facts(graph, analysis, config, fused, roles)
 
     @property
     def num_params(self) -> int:
@@ -205,8 +208,9 @@ class Prediction:
 # facts
 
 
-def _build_facts(graph: TrainingGraph, analysis: GraphAnalysis, config, fused: bool) -> StepFacts:
-    tp = find_tp_recipe(graph, analysis)
+def _build_facts(graph: TrainingGraph, analysis: GraphAnalysis, config, fused: bool,
+                 roles: dict[str, str] | None = None) -> StepFacts:
+    tp = find_tp_recipe(graph, analysis, roles)
     groups = fusion_groups(graph, analysis) if fused else {}
     ext_inputs, leaves = external_bytes(graph, analysis, groups)
     saved_values = fused_saved(graph, analysis, groups) if fused else analysis.saved
@@ -321,6 +325,7 @@ def _build_facts(graph: TrainingGraph, analysis: GraphAnalysis, config, fused: b
         event_reduce=np.array([e.kind == "reduce" for e in events], dtype=bool),
         event_layer=np.array([layer_eff.get(e.node, -1) for e in events], dtype=int),
         event_forward=np.array([e.forward for e in events], dtype=bool),
+        event_always=np.array([e.always for e in events], dtype=bool),
         expert_io_bytes=expert_io,
         param_numel={n: math.prod(graph.param_shapes[n]) for n in params},
         param_tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
@@ -610,11 +615,13 @@ def _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.n
     ev_bytes = facts.event_bytes * np.where(facts.event_batch_dep, scale / cp, 1.0)
     cache: dict[tuple[str, float], float] = {}
     cost = np.zeros(len(ev_bytes))
-    for i, (nb, is_reduce) in enumerate(zip(ev_bytes, facts.event_reduce)):
+    for i, (nb, is_reduce, always) in enumerate(zip(ev_bytes, facts.event_reduce, facts.event_always)):
         if lay.sp:
             kind = "reduce_scatter" if is_reduce else "all_gather"
         elif is_reduce:
             kind = "all_reduce"
+        elif always:
+            kind = "all_gather"
         else:
             continue
         key = (kind, float(nb))

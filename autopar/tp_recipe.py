@@ -67,6 +67,7 @@ class TPEvent:
     nbytes: int
     batch_dependent: bool
     forward: bool = True
+    always: bool = False  # needed with or without SP (an S value gathered for a replicated use)
 
 
 @dataclass
@@ -96,13 +97,20 @@ class TPRecipe:
         return None
 
 
-def find_tp_recipe(graph: TrainingGraph, analysis: GraphAnalysis) -> TPRecipe:
-    """Propagate R/S/P states through the joint graph and collect the TP collectives."""
+def find_tp_recipe(
+    graph: TrainingGraph, analysis: GraphAnalysis, roles: dict[str, str] | None = None
+) -> TPRecipe:
+    """Propagate R/S/P states through the joint graph and collect the TP collectives.
+
+    ``roles`` fixes the role of some weights (col, row, vocab or replicated), as the ILP of
+    `tp_ilp` chooses them; the others take Megatron's role from their first use.
+    """
     kinds = {i.node: i for i in graph.inputs}
     state: dict[str, str] = {}
     weight_of: dict[str, str] = {}
     batch_dep: dict[str, bool] = {}
-    roles: dict[str, str] = {}
+    forced = dict(roles or {})
+    roles = {}
     bias_of_col: set[str] = set()
     sharded_mm: set[str] = set()
     events: list[TPEvent] = []
@@ -110,6 +118,7 @@ def find_tp_recipe(graph: TrainingGraph, analysis: GraphAnalysis) -> TPRecipe:
 
     col_mm: set[str] = set()
     wgrad_mm: set[str] = set()
+    embed_sharded: dict = {}
 
     def forward(node) -> bool:
         return analysis.nodes[node.name].phase == "forward"
@@ -146,6 +155,21 @@ def find_tp_recipe(graph: TrainingGraph, analysis: GraphAnalysis) -> TPRecipe:
                 reduce(x)
                 param = weight_of[w.name]
                 x_state = state[x.name]
+                if forced.get(param) == REPLICATED:
+                    roles[param] = REPLICATED
+                    if x_state == "S":  # a replicated weight needs its whole input
+                        events.append(TPEvent(x.name, "gather", analysis.nodes[x.name].nbytes,
+                                              batch_dep.get(x.name, False), forward(node), True))
+                    state[node.name] = "R"
+                    continue
+                if forced.get(param) == COL and x_state == "S":
+                    events.append(TPEvent(x.name, "gather", analysis.nodes[x.name].nbytes,
+                                          batch_dep.get(x.name, False), forward(node), True))
+                    x_state = "R"
+                elif forced.get(param) == ROW and x_state == "R":
+                    x_state = "S"  # a row-parallel weight slices a replicated input locally
+                if param in forced:
+                    roles[param] = forced[param]
                 if param not in roles:
                     roles[param] = COL if x_state == "R" else ROW
                     if roles[param] == COL and target == aten.addmm.default:
@@ -165,11 +189,16 @@ def find_tp_recipe(graph: TrainingGraph, analysis: GraphAnalysis) -> TPRecipe:
         if target == aten.embedding.default:
             w, ids = node.args[0], node.args[1]
             if w.name in weight_of and batch_dep.get(ids.name, False):
-                roles.setdefault(weight_of[w.name], VOCAB)
-                state[node.name] = "P" if roles[weight_of[w.name]] in (VOCAB, COL) else "R"
+                roles.setdefault(weight_of[w.name], forced.get(weight_of[w.name], VOCAB))
+                sharded = roles[weight_of[w.name]] in (VOCAB, COL)
+                embed_sharded[node.meta.get("seq_nr")] = sharded
+                state[node.name] = "P" if sharded else "R"
                 continue
+            embed_sharded[node.meta.get("seq_nr")] = False  # a position table: replicated
         if target in _EMBED_BWD:
-            state[node.name] = "S"  # the gradient of a vocabulary-sharded table
+            # the gradient of the table its forward looked up: sharded if the table is
+            sharded = embed_sharded.get(node.meta.get("seq_nr"), True)
+            state[node.name] = "S" if sharded else "R"
             continue
         in_states = [state.get(i.name, "R") for i in ins]
         if "P" in in_states:
