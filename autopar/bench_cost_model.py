@@ -390,6 +390,28 @@ def dp_scaling_section(cap1: Captured, dps: tuple[int, ...] = tuple(MEASURED_DP)
     }
 
 
+def largest_fitting_microbatch(facts: StepFacts, cluster: Cluster, layout: Layout,
+                               upper: int = 1024) -> int:
+    """The largest micro-batch (1..upper) whose predicted memory fits; 0 if none does.
+
+    Memory without pipelining does not depend on grad_accum, so each probe is one step of
+    ``microbatch`` sequences; memory grows with the micro-batch, so bisection finds the edge.
+    """
+    def fits(b: int) -> bool:
+        return predict(facts.rebatch(b * layout.dp), cluster,
+                       layout.replace(microbatch=b, grad_accum=1)).fits
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, upper
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def tp_scaling_section(cap3: Captured, tps: tuple[int, ...] = (2, 4, 8, 16, 32)) -> dict:
     """playbook-3b, dp=1, TP without / with SP at the playbook's micro-batches, world = tp."""
     rows = []
@@ -410,6 +432,8 @@ def tp_scaling_section(cap3: Captured, tps: tuple[int, ...] = (2, 4, 8, 16, 32))
                 "within": abs(ratio - 1) < THROUGHPUT_TOLERANCE,
                 "predicted_memory_bytes": pred.memory_per_device_bytes, "fits": pred.fits,
                 "tp_comm_share": tb["tp_comm_s"] / pred.step_time_s,
+                "largest_fitting_microbatch": largest_fitting_microbatch(
+                    cap3.facts, cluster, Layout(tp=tp, sp=sp)),
             })
         mine = [r for r in rows if r["sp"] == sp]
         pred_seq = [r["predicted_tok_s_gpu"] for r in mine]
@@ -422,7 +446,9 @@ def tp_scaling_section(cap3: Captured, tps: tuple[int, ...] = (2, 4, 8, 16, 32))
                           "cliff_ratio": p / m})
         trends["tp+sp" if sp else "tp"] = trend
     outliers = [{"sp": r["sp"], "tp": r["tp"], "ratio": r["ratio"]} for r in rows if not r["within"]]
-    return {"model": cap3.name, "rows": rows, "trends": trends, "outliers": outliers}
+    mb_ratio = [r["largest_fitting_microbatch"] / r["microbatch"] for r in rows]
+    return {"model": cap3.name, "rows": rows, "trends": trends, "outliers": outliers,
+            "largest_mb_ratio_min": min(mb_ratio), "largest_mb_ratio_max": max(mb_ratio)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,7 +555,8 @@ TITLES = {
     "activations": "2. Activation memory of one micro-batch (b=1, s=4096), GiB",
     "busbw": "3. Bus bandwidth, h100-efa, 256 MB messages, GB/s",
     "dp_scaling": "4a. DP scaling, playbook-1b, ZeRO-0, mb 1, global batch 256 x 4096",
-    "tp_scaling": "4b. TP scaling, playbook-3b, dp 1, global batch ~256 x 4096",
+    "tp_scaling": "4b. TP scaling, playbook-3b, dp 1, global batch ~256 x 4096 (mb: the "
+                  "playbook's largest that fit)",
     "fits": "5. Does llama3-70b fit? (h100, 80 GB per GPU)",
     "summary": "Summary",
 }
@@ -610,9 +637,10 @@ def _format_tp(sec: dict) -> str:
              f"{r['measured_tok_s_gpu']:,}", f"{r['predicted_tok_s_gpu']:,.0f}",
              f"{r['ratio']:.2f}", "ok" if r["within"] else "OFF",
              f"{100 * r['tp_comm_share']:.0f} %", f"{r['predicted_memory_bytes'] / 1e9:.1f}",
-             "yes" if r["fits"] else "no"] for r in sec["rows"]]
+             "yes" if r["fits"] else "no", r["largest_fitting_microbatch"]] for r in sec["rows"]]
     t = table(["mode", "tp", "mb", "ga", "measured tok/s/GPU", "predicted", "pred/meas", "< 25 %",
-               "TP comm share", "memory GB", "fits"], rows, "lrrrrrrlrrl")
+               "TP comm share", "memory GB", "fits", "largest mb (model)"], rows,
+              "lrrrrrrlrrlr")
     lines = [t]
     for mode, tr in sec["trends"].items():
         line = f"{mode}: predicted {'falls' if tr['predicted_falling'] else 'does NOT fall'} with tp"
@@ -620,6 +648,8 @@ def _format_tp(sec: dict) -> str:
             line += (f"; tp16/tp8 predicted {tr['cliff_8_to_16_predicted']:.2f} vs measured "
                      f"{tr['cliff_8_to_16_measured']:.2f} (ratio {tr['cliff_ratio']:.2f})")
         lines.append(line)
+    lines.append(f"largest micro-batch the model lets fit / the playbook's largest that fit: "
+                 f"{sec['largest_mb_ratio_min']:.2f}x to {sec['largest_mb_ratio_max']:.2f}x")
     for o in sec["outliers"]:
         lines.append(f"outside 25 %: tp={o['tp']}{' +sp' if o['sp'] else ''} predicts "
                      f"{o['ratio']:.2f}x the measured throughput")

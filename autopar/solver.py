@@ -45,7 +45,7 @@ def candidate_layouts(
     """Every well-formed layout of the search space with a TP degree in ``tps``, in order."""
     world, batch, seq = cluster.world_size, facts.batch, facts.seq
     layers = max(facts.n_layers, 1)
-    cps = [c for c in (1, 2, 4, 8) if seq % c == 0 and seq // c >= 2048]
+    cps = [1] + [c for c in (2, 4, 8) if seq % c == 0 and seq // c >= 2048]
     eps = [e for e in divisors(facts.n_experts)] if facts.n_experts else [1]
     precisions = ("bf16", "fp8") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else ("bf16",)
     for tp in tps:
@@ -187,6 +187,14 @@ def solve(
 def _infeasible_message(facts: StepFacts, cluster: Cluster, stats: dict) -> str:
     capacity = cluster.gpu.memory_bytes
     misses = stats.get("closest_misses") or []
+    if not misses:
+        return (
+            f"no layout can split a global batch of {facts.batch} sequence(s) of {facts.seq} over "
+            f"{cluster.world_size} devices: data parallelism must divide the batch, and tensor, "
+            f"pipeline and context parallelism are bounded by the heads, the "
+            f"{facts.n_layers} blocks and the sequence; raise the global batch (a multiple of "
+            f"{cluster.world_size} sequences always works) or plan for fewer devices"
+        )
     lines = [
         f"no layout of this step fits {cluster.gpu.name} memory ({capacity / 2**30:.1f} GiB per "
         f"device) on {cluster.world_size} devices; {stats['considered']:,} layouts tried."

@@ -1,0 +1,43 @@
+"""The command line, as a user types it."""
+
+import json
+
+from autopar.cli import main
+
+
+def test_inspect_prints_the_table_and_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["inspect", "--model", "tiny-llama", "--seq", "32", "--batch", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for needle in ("parameters", "FLOPs / token", "activations saved", "2 x layers.* (identical)", "capture time"):
+        assert needle in text
+    data = json.loads(out.read_text())
+    assert data["blocks"] == 2 and data["params"] > 0
+
+
+def test_plan_prints_the_plan_and_the_manual_comparison(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K",
+            "--cluster", "h100", "--nodes", "1", "--gpus-per-node", "4", "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "predicted step" in text and "best manual layouts" in text
+    assert json.loads(out.read_text())["layout"]["dp"] >= 1
+
+
+def test_plan_of_a_manual_layout(capsys):
+    argv = ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K", "--nodes", "1",
+            "--gpus-per-node", "4", "--quiet", "--layout", "dp=2,tp=2,sp=1,zero=1,microbatch=4,grad_accum=2"]
+    assert main(argv) == 0
+    assert "dp2 tp2 zero1 sp mb4 ga2" in capsys.readouterr().out
+
+
+def test_bad_input_exits_2_with_a_message(capsys):
+    assert main(["inspect", "--model", "llama3-7b"]) == 2
+    assert "Did you mean" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1000"]) == 2
+    assert "multiple of 64" in capsys.readouterr().err
+    argv = ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K", "--nodes", "1",
+            "--gpus-per-node", "4", "--quiet", "--layout", "dp=8,microbatch=2,grad_accum=1"]
+    assert main(argv) == 2
+    assert "cluster has 4" in capsys.readouterr().err
