@@ -238,8 +238,7 @@ def activation_row(cap: Captured, tp: int, sp: bool, recompute: str,
     """One activation-memory comparison: predicted (blocks, outside blocks) against formulas."""
     cfg, facts = cap.config, cap.facts
     n_layers = facts.n_layers
-    gpn = max(tp, 1)
-    cluster = Cluster("h100", nodes=1, gpus_per_node=gpn)
+    cluster = Cluster("h100", nodes=1, gpus_per_node=tp)
     layout = Layout(tp=tp, sp=sp, microbatch=1, grad_accum=facts.batch, recompute=recompute)
     pred = predict(facts, cluster, layout)
     total = pred.memory_breakdown["activations"]
@@ -288,7 +287,7 @@ def activation_row(cap: Captured, tp: int, sp: bool, recompute: str,
                      f"{shard * tp:.2f}/t (formula 24/t)")
     elif recompute != "full":
         notes.append(f"no dropout (formula: 2{'/t' if sp else ''} sbh of masks)")
-    if cfg.n_kv_heads != cfg.n_heads:
+    if cfg.n_kv_heads != cfg.n_heads and recompute != "full":
         notes.append(f"GQA: K, V {cfg.n_kv_heads}/{cfg.n_heads} as wide as Q")
     notes.append(f"outside blocks {_gib(outside)} GiB (fp32 logits 4sbv/t = "
                  f"{_gib(logits_formula)} GiB, embeddings)")
