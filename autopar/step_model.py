@@ -743,6 +743,11 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
         keep = np.ones_like(in_block)
     stage = _stage_of(facts.saved_layer, n_layers, pp)
     per_stage = np.bincount(stage, weights=local * keep, minlength=pp)
+    # At the peak of the backward the largest activation and its gradient are live beside the
+    # saved ones (the fp32 logits and their gradient in a language model): a transient the
+    # saved-tensor count misses; it made micro-batches 1.2-2.3x larger than the playbook could
+    # run look like they fit (`autopar bench cost-model`, section 4b).
+    transient = 2.0 * float(local.max()) if len(local) else 0.0
     if lay.recompute == "full":
         # each block keeps its input (sequence-sharded under SP)
         block_in = facts.block_input_bytes * scale / cp / (tp if lay.sp else 1)
@@ -758,7 +763,7 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
                 params=states["params"],
                 grads=states["grads"],
                 optimizer=states["optimizer"],
-                activations=float(per_stage[s]) * flight,
+                activations=float(per_stage[s]) * flight + transient,
                 buffers=buffer_bytes(lay.dp * cp, lay.zero, block_params, rec.param_bytes),
                 reserve=RESERVE_BYTES,
             )
