@@ -99,6 +99,7 @@ def search(
     cluster: Cluster,
     allow_fp8: bool = False,
     progress: Callable[[str], None] | None = None,
+    executable_only: bool = False,
 ) -> tuple[Layout | None, Prediction | None, StepFacts | None, dict]:
     """Best fitting layout, its prediction and cost facts, and search statistics."""
     best: tuple[Layout, Prediction, StepFacts, str] | None = None
@@ -108,11 +109,13 @@ def search(
     capacity = cluster.gpu.memory_bytes
     last_report = time.perf_counter()
     for cross in (False, True):
-        for tp in tp_degrees(base, cluster, cross):
+        for tp in [1] if executable_only else tp_degrees(base, cluster, cross):
             variants = [("megatron", base)] if tp == 1 else step.tp_variants(cluster, tp)
             for recipe_name, facts in variants:
                 for layout in candidate_layouts(facts, cluster, [tp], allow_fp8=allow_fp8):
                     stats["considered"] += 1
+                    if executable_only and max(layout.pp, layout.cp, layout.ep) > 1:
+                        continue  # autopar.parallelize runs data parallelism and ZeRO today
                     try:
                         check_layout(facts, cluster, layout)
                     except LayoutError:
@@ -154,12 +157,14 @@ def solve(
     allow_fp8: bool = False,
     compare_manual: bool = True,
     progress: Callable[[str], None] | None = None,
+    executable_only: bool = False,
 ) -> Plan:
     """The best plan for ``facts`` on ``cluster``; raises `NoFeasiblePlanError` if none fits."""
     t0 = time.perf_counter()
     if progress:
         progress(f"searching layouts of {model or 'the model'} on {cluster.world_size} devices ...")
-    layout, pred, facts, stats = search(step, cluster, allow_fp8=allow_fp8, progress=progress)
+    layout, pred, facts, stats = search(step, cluster, allow_fp8=allow_fp8, progress=progress,
+                                        executable_only=executable_only)
     if layout is None:
         raise NoFeasiblePlanError(_infeasible_message(step.facts(), cluster, stats))
     plan = make_plan(facts, cluster, layout, model=model, fingerprint=fingerprint, prediction=pred)

@@ -4,8 +4,9 @@ Routing (per token t, as Mixtral):
     p = softmax(router(x_t));  (w, e) = top_k(p);  w = w / sum(w)
     y_t = sum_j w_j * expert_{e_j}(x_t),   expert(x) = down(silu(gate(x)) * up(x))
 
-Dispatch with static shapes (GShard-style capacity), T tokens, E experts, k choices:
-    C = min(T, ceil(capacity_factor * k * T / E)) slots per expert
+Dispatch with static shapes (GShard-style capacity), per sequence of T tokens (a group), E
+experts, k choices:
+    C = min(T, ceil(capacity_factor * k * T / E)) slots per expert and group
     a (token, choice)'s slot in its expert = number of earlier assignments to that expert,
     by a cumsum over one-hot assignments ordered choice-major (every token's first choice
     beats any second choice); slots >= C are dropped to a trash row E*C.
@@ -45,36 +46,43 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [T, h]
-        n_tok, hidden = x.shape
+        # Each sequence is a dispatch group with its own capacity (GShard's groups): the layer
+        # is then a function of each sequence alone, so splitting the batch over data-parallel
+        # ranks computes exactly what one device computes on the whole batch.
+        groups = math.prod(shape[:-2]) if x.dim() > 2 else 1
+        x = x.reshape(groups, -1, shape[-1])  # [G, S, h]
+        _, n_tok, hidden = x.shape
         E, k = self.n_experts, self.top_k
         cap = expert_capacity(n_tok, E, k, self.capacity_factor)
 
         # Routing weights in fp32 (softmax), renormalised over the chosen k as Mixtral does.
         probs = torch.softmax(self.router(x).float(), dim=-1)
-        weight, expert = torch.topk(probs, k, dim=-1)  # [T, k]
+        weight, expert = torch.topk(probs, k, dim=-1)  # [G, S, k]
         weight = (weight / weight.sum(-1, keepdim=True)).to(x.dtype)
 
-        # Choice-major order [k*T]: all first choices claim slots before any second choice.
-        expert = expert.t().reshape(-1)
-        weight = weight.t().reshape(-1)
+        # Choice-major order [G, k*S]: all first choices claim slots before any second choice.
+        expert = expert.transpose(1, 2).reshape(groups, k * n_tok)
+        weight = weight.transpose(1, 2).reshape(groups, k * n_tok)
         # One-hot via comparison (not F.one_hot) so no op needs to inspect values.
-        onehot = (expert[:, None] == torch.arange(E, device=x.device)).to(torch.int64)
-        pos = ((torch.cumsum(onehot, dim=0) - 1) * onehot).sum(-1)  # slot within its expert
+        onehot = (expert[..., None] == torch.arange(E, device=x.device)).to(torch.int64)
+        pos = ((torch.cumsum(onehot, dim=1) - 1) * onehot).sum(-1)  # slot within its expert
         keep = pos < cap
-        trash = E * cap
-        slot = torch.where(keep, expert * cap + pos, torch.full_like(pos, trash))
+        trash = groups * E * cap
+        group = torch.arange(groups, device=x.device)[:, None] * (E * cap)
+        slot = torch.where(keep, group + expert * cap + pos, torch.full_like(pos, trash)).reshape(-1)
 
         # Scatter: kept slots are unique, so index_add is a copy; drops pile into the trash row.
-        x_rep = x.unsqueeze(0).expand(k, n_tok, hidden).reshape(k * n_tok, hidden)
+        x_rep = x.unsqueeze(1).expand(groups, k, n_tok, hidden).reshape(-1, hidden)
         buf = x.new_zeros(trash + 1, hidden).index_add(0, slot, x_rep)
-        buf = buf[:trash].view(E, cap, hidden)
-        out = torch.cat([expert_mlp(buf[e]) for e, expert_mlp in enumerate(self.experts)]
-                        + [x.new_zeros(1, hidden)])  # trash row reads back as zeros
+        buf = buf[:trash].view(groups, E, cap, hidden)
+        outs = [mlp(buf[:, e].reshape(groups * cap, hidden)).view(groups, 1, cap, hidden)
+                for e, mlp in enumerate(self.experts)]
+        out = torch.cat([torch.cat(outs, dim=1).reshape(trash, hidden), x.new_zeros(1, hidden)])
 
         # Gather each choice's result and combine; dropped choices get weight 0.
-        y = out.index_select(0, slot) * (weight * keep.to(weight.dtype))[:, None]
-        return y.view(k, n_tok, hidden).sum(0).view(shape)
+        kept = (weight * keep.to(weight.dtype)).reshape(-1, 1)
+        y = out.index_select(0, slot) * kept
+        return y.view(groups, k, n_tok, hidden).sum(1).view(shape)
 
 
 class MixtralBlock(LlamaBlock):

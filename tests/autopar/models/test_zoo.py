@@ -142,7 +142,10 @@ def _expand_kv(state: dict[str, torch.Tensor], cfg: models.ModelConfig) -> dict:
 
 
 def _reference_moe(moe: MoE, x: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Slow per-token loop with the same priority rule: all first choices, then seconds..."""
+    """Slow per-token loop, one sequence (dispatch group) at a time, with the same priority
+    rule: all first choices, then seconds..."""
+    if x.dim() == 3:
+        return torch.stack([_reference_moe(moe, seq, capacity) for seq in x])
     flat = x.reshape(-1, x.shape[-1])
     probs = torch.softmax(moe.router(flat).float(), dim=-1)
     weight, expert = torch.topk(probs, moe.top_k, dim=-1)
@@ -167,7 +170,7 @@ def test_moe_dispatch_matches_reference_loop(capacity_factor: float) -> None:
     with torch.no_grad():
         moe.router.weight.mul_(50)
     x = torch.randn(2, 24, cfg.hidden, generator=torch.Generator().manual_seed(0))
-    n_tok = x.shape[0] * x.shape[1]
+    n_tok = x.shape[1]  # capacity is per sequence
     capacity = expert_capacity(n_tok, cfg.n_experts, cfg.top_k, capacity_factor)
     if capacity_factor >= cfg.n_experts / cfg.top_k:
         assert capacity == n_tok  # nothing can be dropped

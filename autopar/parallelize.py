@@ -1,0 +1,186 @@
+"""`autopar.parallelize`: run a plan on real process groups.
+
+Each rank captures the training step for its slice of the batch, the passes rewrite that
+graph for the plan (collectives for data parallelism and ZeRO), and the returned module is used
+like the original: ``loss = pm(*batch)``, ``loss.backward()`` fills ``pm.parameters()`` (DTensors
+with the plan's placements), any ``torch.optim`` optimizer steps them, and
+``torch.distributed.checkpoint`` saves ``pm.state_dict()``.
+
+Executed today: data parallelism and ZeRO 1/2/3 on any mesh. Layouts with tensor, pipeline,
+context or expert parallelism are planned but not yet executed: they raise a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autopar.capture import capture
+from autopar.errors import AutoparError, InputError
+from autopar.planner import Plan, model_fingerprint, plan as make_plan
+from cost import Cluster, Layout
+from passes.data_parallel import apply_data_parallel
+from runtime.executor import RankGraph, run_step
+
+
+class UnsupportedLayoutError(AutoparError):
+    """The plan needs a parallelism the runtime does not execute yet."""
+
+
+class ParallelModule(nn.Module):
+    """The model, parallelised: call it like the original; its parameters are DTensors."""
+
+    def __init__(self, module: nn.Module, rank_graph: RankGraph, plan: Plan, mesh: DeviceMesh,
+                 global_shapes: list[tuple[int, ...]], canonical: list[str]) -> None:
+        super().__init__()
+        # adopt the copy's children, weights and buffers: names stay those of the original
+        self._modules.update(module._modules)
+        self._parameters.update(module._parameters)
+        self._buffers.update(module._buffers)
+        self.plan = plan
+        self.mesh = mesh
+        self._rank_graph = rank_graph
+        self._global_shapes = global_shapes
+        self._canonical = canonical
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients."""
+        shapes = [tuple(x.shape) for x in batch]
+        if shapes != self._global_shapes:
+            raise InputError(
+                f"batch shapes {shapes} differ from the example inputs {self._global_shapes} the "
+                "step was planned for: call autopar.parallelize again with these shapes"
+            )
+        dp = self.plan.layout.dp
+        rank = self.mesh.get_local_rank(0) if self.mesh.ndim else 0
+        local = tuple(x.chunk(dp, dim=0)[rank] for x in batch)
+        named = dict(self.named_parameters(remove_duplicate=False))
+        params = [(name, named[name]) for name in self._canonical]
+        buffers = dict(self.named_buffers())
+        return run_step(self._rank_graph, params, buffers, local)
+
+    def dump_graph(self, rank: int | None = None) -> str:
+        """This rank's graph as Python, each collective commented with the decision behind it."""
+        me = dist.get_rank() if dist.is_initialized() else 0
+        head = f"# per-rank graph of rank {me} (layout {self.plan.layout.short()})"
+        if rank is not None and rank != me:
+            head += f"; rank {rank} runs the same graph on its own shards"
+        reasons = {n.name: n.meta["autopar"] for n in self._rank_graph.gm.graph.nodes if "autopar" in n.meta}
+        lines = [head]
+        for line in self._rank_graph.gm.code.splitlines():
+            name = line.strip().split(" = ")[0] if " = " in line else ""
+            if name in reasons and not line.strip().startswith("#"):
+                line = f"{line}  # {reasons[name]}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | int,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    loss_fn: Callable | None = None,
+    plan: Plan | None = None,
+    layout: Layout | None = None,
+) -> ParallelModule:
+    """Parallelise ``model``'s training step over ``mesh`` (a DeviceMesh or a world size).
+
+    ``example_inputs`` are one global batch (dim 0 split over data-parallel ranks). The layout
+    comes from ``plan``, else ``layout``, else the solver on `Cluster.local()` with the mesh's
+    size. Must be called on every rank of an initialised process group.
+    """
+    if not dist.is_initialized():
+        raise InputError("parallelize needs an initialised process group: launch with torchrun "
+                         "(or torch.distributed.init_process_group) on every rank")
+    if example_inputs is None:
+        raise InputError("parallelize needs example_inputs: one global batch, as the model takes it")
+    world = dist.get_world_size()
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if isinstance(mesh, int):
+        if mesh != world:
+            raise InputError(f"mesh of {mesh} ranks but the process group has {world}: pass "
+                             f"mesh={world} or start {mesh} ranks")
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    elif mesh.size() != world:
+        raise InputError(f"the mesh has {mesh.size()} ranks but the process group has {world}")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise InputError("parallelize needs the model's weights: build it on a real device "
+                         "(device='meta' is for planning only)")
+    example_inputs = tuple(example_inputs)
+    chosen = _choose_plan(model, example_inputs, loss_fn, plan, layout, world)
+    lay = chosen.layout
+    if max(lay.tp, lay.pp, lay.cp, lay.ep) > 1:
+        raise UnsupportedLayoutError(
+            f"layout {lay.short()}: executing tensor, pipeline, context or expert parallelism is "
+            "not implemented yet (planning is); run a data-parallel / ZeRO layout "
+            "(tp=pp=cp=ep=1) or use the plan for its predictions"
+        )
+    batch = example_inputs[0].shape[0]
+    if batch % lay.dp:
+        raise InputError(f"the batch of {batch} does not split over {lay.dp} data-parallel ranks: "
+                         f"use a batch that is a multiple of {lay.dp}")
+
+    rank = mesh.get_local_rank(0) if mesh.ndim == 1 else dist.get_rank()
+    local_inputs = tuple(x.chunk(lay.dp, dim=0)[rank] for x in example_inputs)
+    graph = capture(model, local_inputs, loss_fn=loss_fn)
+    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
+    grads = {o.name: o.index for o in graph.outputs if o.kind == "grad"}
+    loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
+    group_name = mesh.get_group(0).group_name
+    sharded = apply_data_parallel(graph.gm, params, grads, loss_index, graph.param_shapes,
+                                  lay.zero, lay.dp, group_name)
+    rank_graph = RankGraph(
+        gm=graph.gm,
+        inputs=[(i.kind, i.name[len("input"):] if i.kind == "input" else i.name) for i in graph.inputs],
+        loss_index=loss_index,
+        grad_index=grads,
+    )
+    # the user's model stays as it was; the parallel module owns a copy with DTensor weights
+    module = copy.deepcopy(model)
+    _to_dtensors(module, mesh, sharded, graph.aliases, rank, lay.dp)
+    return ParallelModule(module, rank_graph, chosen, mesh, [tuple(x.shape) for x in example_inputs],
+                          list(params))
+
+
+def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
+    if plan is not None:
+        if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
+            raise InputError("this plan was made for another model (parameter names or shapes "
+                             "differ): plan again for this model")
+        if plan.layout.world_size != world:
+            raise InputError(f"this plan is for {plan.layout.world_size} devices "
+                             f"({plan.cluster.describe()}) but {world} ranks are running")
+        return plan
+    cluster = Cluster.local()
+    if cluster.world_size != world:
+        cluster = Cluster.from_dict({**cluster.to_dict(), "nodes": 1, "gpus_per_node": world})
+    if layout is not None:
+        return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, layout=layout)
+    return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, executable_only=True)
+
+
+def _to_dtensors(module: nn.Module, mesh: DeviceMesh, sharded: set[str], aliases: dict[str, str],
+                 rank: int, dp: int) -> None:
+    """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placement."""
+    made: dict[int, nn.Parameter] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            full_name = f"{mod_name}.{pname}" if mod_name else pname
+            canonical = aliases.get(full_name, full_name)
+            if id(p) not in made:
+                data = p.detach()
+                if canonical in sharded:
+                    dt = DTensor.from_local(data.chunk(dp, dim=0)[rank].clone(), mesh, [Shard(0)],
+                                            run_check=False, shape=data.shape, stride=data.stride())
+                else:
+                    dt = DTensor.from_local(data.clone(), mesh, [Replicate()], run_check=False)
+                made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            sub._parameters[pname] = made[id(p)]
