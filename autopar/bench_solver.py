@@ -255,8 +255,11 @@ def solve_row(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cfg: Model
 def _progress_line(row: dict) -> str:
     head = f"{row['model']} on {row['nodes']} node(s), batch {row['batch']}: "
     if not row["feasible"]:
-        return head + f"does not fit (searched in {row['solve_s']:.1f} s)"
+        return head + f"does not fit (searched in {row['solve_s']:.1f} s)" + (
+            "; !! A MANUAL LAYOUT FITS" if row["manual_fits"] else "")
     ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
+    if row["ratio"] is not None and row["ratio"] < RATIO_FLOOR:
+        ratio += " !! SOLVER SLOWER THAN A MANUAL LAYOUT"
     return head + (f"{row['layout']}, {fmt_time(row['step_s'])}/step, solve "
                    f"{row['solve_s']:.1f} s, best manual / solver {ratio}")
 
@@ -453,6 +456,8 @@ def _format_versus_manual(sec: dict) -> str:
                                  _capture_cell(r)])
         ratio = r["ratio"]
         flag = "" if ratio is None or ratio >= RATIO_FLOOR else "!! SOLVER SLOWER"
+        if not r["manual_fits"]:
+            flag = "only the solver's layout fits"
         manual_rows.append(head[:2] + [r["best_manual_family"] or "none fits",
                                        r["best_manual_layout"] or "",
                                        fmt_time(r["best_manual_step_s"]) if ratio else "-",
@@ -460,7 +465,7 @@ def _format_versus_manual(sec: dict) -> str:
     t1 = table(["model", "nodes", "GPUs", "batch", "solver layout", "step", "tok/s/GPU", "MFU",
                 "mem GiB", "solve s", "capture s"], plan_rows, "lrrrlrrrrrl")
     t2 = table(["model", "nodes", "best manual family", "its layout", "step", "manual/solver",
-                ""], manual_rows, "lrllrrl")
+                "note"], manual_rows, "lrllrrl")
     out = [t1, "", t2]
     if notes:
         out += ["", "does not fit (closest miss):", *notes]
@@ -509,7 +514,7 @@ def _format_targets(sec: dict) -> str:
            "not run" if a["speedup"] is None else f"{a['speedup']:.1f}x"]
           for a in sec["autoparallel"]]
     return "\n".join([
-        table(["target", "limit s", "solve s", "capture s", ""], rows, "lrrrl"),
+        table(["target", "limit s", "solve s", "capture s", "verdict"], rows, "lrrrl"),
         "",
         "PyTorch AutoParallel's published solve times, beside ours (a different search: a "
         "per-op sharding ILP on the whole graph; other hardware; for scale only):",

@@ -21,9 +21,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.analysis import analyze
 from autopar.capture import capture
 from autopar.errors import AutoparError, InputError
-from autopar.planner import Plan, model_fingerprint, plan as make_plan
+from autopar.planner import CapturedStep, Plan, model_fingerprint
+from autopar.planner import make_plan as make_layout_plan
+from autopar.planner import plan as make_plan
+from autopar.step_model import check_layout
 from cost import Cluster, Layout
 from passes.data_parallel import apply_data_parallel
 from runtime.executor import RankGraph, run_step
@@ -113,6 +117,7 @@ def parallelize(
         raise InputError("parallelize needs the model's weights: build it on a real device "
                          "(device='meta' is for planning only)")
     example_inputs = tuple(example_inputs)
+    batch = example_inputs[0].shape[0]
     chosen = _choose_plan(model, example_inputs, loss_fn, plan, layout, world)
     lay = chosen.layout
     if max(lay.tp, lay.pp, lay.cp, lay.ep) > 1:
@@ -121,14 +126,13 @@ def parallelize(
             "not implemented yet (planning is); run a data-parallel / ZeRO layout "
             "(tp=pp=cp=ep=1) or use the plan for its predictions"
         )
-    batch = example_inputs[0].shape[0]
     if batch % lay.dp:
         raise InputError(f"the batch of {batch} does not split over {lay.dp} data-parallel ranks: "
                          f"use a batch that is a multiple of {lay.dp}")
 
     rank = mesh.get_local_rank(0) if mesh.ndim == 1 else dist.get_rank()
     local_inputs = tuple(x.chunk(lay.dp, dim=0)[rank] for x in example_inputs)
-    graph = capture(model, local_inputs, loss_fn=loss_fn)
+    graph = _capture_local(model, local_inputs, loss_fn)
     params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
     grads = {o.name: o.index for o in graph.outputs if o.kind == "grad"}
     loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
@@ -148,6 +152,23 @@ def parallelize(
                           list(params))
 
 
+_LOCAL_GRAPHS: dict[tuple, object] = {}
+
+
+def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn):
+    """Capture the per-rank step; re-used (a fresh copy each time) for a model of the same
+    class, parameter names and shapes, and input shapes, e.g. when trying several layouts."""
+    key = (type(model).__qualname__, model_fingerprint(model),
+           tuple((tuple(x.shape), x.dtype) for x in local_inputs), loss_fn)
+    if key not in _LOCAL_GRAPHS:
+        if len(_LOCAL_GRAPHS) > 4:
+            _LOCAL_GRAPHS.pop(next(iter(_LOCAL_GRAPHS)))
+        _LOCAL_GRAPHS[key] = capture(model, local_inputs, loss_fn=loss_fn)
+    graph = copy.copy(_LOCAL_GRAPHS[key])
+    graph.gm = copy.deepcopy(graph.gm)  # the passes rewrite it in place
+    return graph
+
+
 def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
     if plan is not None:
         if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
@@ -161,6 +182,16 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
     if cluster.world_size != world:
         cluster = Cluster.from_dict({**cluster.to_dict(), "nodes": 1, "gpus_per_node": world})
     if layout is not None:
+        batch = example_inputs[0].shape[0]
+        if batch % layout.dp == 0:
+            # price the layout on the per-rank capture (activations are linear in the batch)
+            local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
+            graph = _capture_local(model, local, loss_fn)
+            facts = CapturedStep(graph, analyze(graph), getattr(model, "config", None)).facts()
+            check_layout(facts.rebatch(batch), cluster, layout)
+            return make_layout_plan(facts.rebatch(batch), cluster, layout,
+                                    model=getattr(getattr(model, "config", None), "name", type(model).__name__),
+                                    fingerprint=model_fingerprint(model))
         return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, layout=layout)
     return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, executable_only=True)
 

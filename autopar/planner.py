@@ -319,8 +319,10 @@ def _divides(facts: StepFacts, graph: TrainingGraph, tp: int, config) -> bool:
 def step_facts(model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None,
                dtype: torch.dtype, fused: bool = True) -> tuple[CapturedStep, str]:
     """Capture and analyse the step once per (model, input shapes, dtype); cached."""
-    key = (id(model), tuple((tuple(x.shape), x.dtype) for x in example_inputs), id(loss_fn), dtype, fused)
     fingerprint = model_fingerprint(model)
+    # same class, parameter names and shapes, inputs and loss: the same graph
+    key = (type(model).__qualname__, fingerprint, tuple((tuple(x.shape), x.dtype) for x in example_inputs),
+           loss_fn, dtype, fused)
     if key not in _STEP_CACHE:
         graph = capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
         step = CapturedStep(graph, analyze(graph), getattr(model, "config", None), fused)
