@@ -7,6 +7,7 @@ over a cluster, and run it on torch.distributed.
 from autopar import models
 from autopar.capture import TrainingGraph, capture
 from autopar.errors import AutoparError, CaptureError, InputError
+from autopar.parallel_module import ParallelModule, parallelize
 from autopar.planner import Plan, plan
 from cost import Cluster, Layout, LayoutError
 
@@ -19,9 +20,11 @@ __all__ = [
     "InputError",
     "Layout",
     "LayoutError",
+    "ParallelModule",
     "Plan",
     "TrainingGraph",
     "capture",
     "models",
+    "parallelize",
     "plan",
 ]

@@ -124,6 +124,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dump_worker(rank: int, world: int, name: str, batch: int, seq: int, layout_text: str | None) -> str:
+    import autopar
+    from autopar import models
+
+    ns = argparse.Namespace(layout=layout_text)
+    layout = _layout_from_args(ns)
+    model = models.build(name, seed=0)
+    inputs = models.example_inputs(name, batch=batch, seq=seq)
+    pm = autopar.parallelize(model, world, example_inputs=inputs, layout=layout)
+    return pm.dump_graph(rank=rank)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from runtime.launch import spawn
+
+    if args.rank >= args.world:
+        raise ValueError(f"--rank {args.rank} is outside a world of {args.world} ranks")
+    texts = spawn(_dump_worker, args.world, args=(args.model, args.batch, args.seq, args.layout),
+                  timeout_s=600)
+    print(texts[args.rank])
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from autopar.calibrate import calibrate, format_calibration
 
@@ -164,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the plan as JSON to this path")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("dump", help="run the plan on local gloo ranks and print one rank's graph")
+    p.add_argument("--model", required=True, help="zoo name (weights are initialised: keep it small)")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks to start (default 2)")
+    p.add_argument("--rank", type=int, default=0, help="whose graph to print")
+    p.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--layout", help="e.g. dp=2,zero=3,microbatch=2,precision=fp32 (default: the solver's)")
+    p.set_defaults(func=cmd_dump)
 
     p = sub.add_parser("bench", help="benchmarks: tables plus JSON in results/")
     p.add_argument("what", choices=["cost-model", "block-check", "solver"])

@@ -27,7 +27,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _parity_worker(rank: int, world: int) -> list[tuple]:
     import autopar
     from autopar import models
-    from autopar.parallelize import parallelize
+    from autopar.parallel_module import parallelize
 
     failures = []
     for name in MODELS:
@@ -73,7 +73,7 @@ def test_dp_and_zero_match_one_device(world):
 def _errors_worker(rank: int, world: int) -> list[str]:
     import autopar
     from autopar import models
-    from autopar.parallelize import UnsupportedLayoutError, parallelize
+    from autopar.parallel_module import UnsupportedLayoutError, parallelize
 
     model = models.build("tiny-llama")
     batch = models.example_inputs("tiny-llama", batch=4, seq=16)
@@ -123,3 +123,28 @@ def test_bad_input_and_dump_graph():
     gathers, reductions, n_params = seen[-1]
     assert gathers == n_params  # tiny-llama: every weight's first dim divides by 2
     assert reductions == n_params + 1  # each gradient, plus the loss
+
+
+def _checkpoint_worker(rank: int, world: int, path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+    from autopar import models
+
+    batch = models.example_inputs("tiny-llama", batch=4, seq=16)
+    layout = autopar.Layout(dp=world, zero=3, microbatch=4 // world, precision="fp32")
+    pm = autopar.parallelize(models.build("tiny-llama", seed=1), world, example_inputs=batch, layout=layout)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm(*batch).backward()
+    opt.step()
+    dcp.save(pm.state_dict(), checkpoint_id=path)
+    fresh = autopar.parallelize(models.build("tiny-llama", seed=2), world, example_inputs=batch, layout=layout)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    return all(torch.equal(a.full_tensor(), b.full_tensor())
+               for a, b in zip(pm.parameters(), fresh.parameters()))
+
+
+def test_distributed_checkpoint_round_trip(tmp_path):
+    assert spawn(_checkpoint_worker, 2, args=(str(tmp_path / "ckpt"),), timeout_s=300) == [True, True]

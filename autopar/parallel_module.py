@@ -75,8 +75,14 @@ class ParallelModule(nn.Module):
         head = f"# per-rank graph of rank {me} (layout {self.plan.layout.short()})"
         if rank is not None and rank != me:
             head += f"; rank {rank} runs the same graph on its own shards"
-        reasons = {n.name: n.meta["autopar"] for n in self._rank_graph.gm.graph.nodes if "autopar" in n.meta}
-        lines = [head]
+        nodes = list(self._rank_graph.gm.graph.nodes)
+        reasons = {n.name: n.meta["autopar"] for n in nodes if "autopar" in n.meta}
+        lines = [head, "# inputs:"]
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        for node, (kind, name) in zip(placeholders, self._rank_graph.inputs):
+            label = {"input": f"batch input {name} (this rank's slice)", "tangent": "seed gradient of the loss (1)"}
+            note = reasons.get(node.name, "")
+            lines.append(f"#   {node.name}: {label.get(kind, f'{kind} {name}')}" + (f" -- {note}" if note else ""))
         for line in self._rank_graph.gm.code.splitlines():
             name = line.strip().split(" = ")[0] if " = " in line else ""
             if name in reasons and not line.strip().startswith("#"):
