@@ -41,3 +41,11 @@ def test_bad_input_exits_2_with_a_message(capsys):
             "--gpus-per-node", "4", "--quiet", "--layout", "dp=8,microbatch=2,grad_accum=1"]
     assert main(argv) == 2
     assert "cluster has 4" in capsys.readouterr().err
+
+
+def test_dump_shows_the_collectives_of_the_plan(capsys):
+    argv = ["dump", "--model", "tiny-llama", "--world", "2", "--layout", "dp=2,zero=3,microbatch=2,precision=fp32"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text
+    assert "# ZeRO-3: gather layers.0.attn.q_proj.weight for the forward" in text

@@ -13,6 +13,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from runtime.launch import spawn
 
@@ -148,3 +150,41 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> bool:
 
 def test_distributed_checkpoint_round_trip(tmp_path):
     assert spawn(_checkpoint_worker, 2, args=(str(tmp_path / "ckpt"),), timeout_s=300) == [True, True]
+
+
+def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int, zero: int) -> list:
+    import dataclasses
+
+    import autopar
+    from autopar import models
+
+    heads = 4
+    cfg = dataclasses.replace(models.config(f"tiny-{family}"), name=f"random-{family}", hidden=hidden,
+                              n_layers=layers, n_heads=heads, n_kv_heads=heads // 2 if family != "gpt2" else heads,
+                              ffn=2 * hidden)
+    model = models.build(cfg, seed=5)
+    ref = copy.deepcopy(model)
+    batch = models.example_inputs(cfg, batch=2 * world, seq=8)
+    layout = autopar.Layout(dp=world, zero=zero, microbatch=2, precision="fp32")
+    pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
+    loss = pm(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    named = dict(ref.named_parameters())
+    bad = [] if _close(loss, ref_loss.detach()) else ["loss"]
+    bad += [n for n, p in pm.named_parameters() if not _close(p.grad.full_tensor(), named[n].grad)]
+    return bad
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    family=st.sampled_from(["gpt2", "llama", "mixtral"]),
+    hidden=st.sampled_from([16, 32, 48]),
+    layers=st.integers(1, 3),
+    world=st.sampled_from([2, 4]),
+    zero=st.integers(0, 3),
+)
+def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, zero):
+    results = spawn(_random_worker, world, args=(family, hidden, layers, zero), timeout_s=300)
+    assert results == [[]] * world
