@@ -17,7 +17,9 @@ The rules are Megatron's (Shoeybi et al. 2019), applied to aten nodes in graph o
 The backward follows from the same rules: the gradient of a column-parallel input is a P (an
 all-reduce in backward), the gradient of a row-parallel input an S. A weight keeps the role of
 its first use, which is in the forward. Selection ops (top-k, argmax) gather their S input,
-which keeps MoE routers replicated in effect. The result is layout-independent: the degree t
+which keeps MoE routers replicated in effect. An S input may only enter an op that DTensor's
+strategies (or `strategies`' own rules) can run sharded; other ops gather it and run
+replicated, with a warning naming the op. The result is layout-independent: the degree t
 only scales what this module finds.
 """
 
@@ -30,6 +32,7 @@ import torch
 
 from autopar.analysis import GraphAnalysis
 from autopar.capture import TrainingGraph
+from autopar.strategies import admits_sharding, warn_unknown
 
 aten = torch.ops.aten
 
@@ -82,6 +85,7 @@ class TPRecipe:
     events: list[TPEvent] = field(default_factory=list)
     weight_of: dict[str, str] = field(default_factory=dict)  # node -> parameter it reads as weight
     batch_dependent: dict[str, bool] = field(default_factory=dict)
+    fallback_ops: set[str] = field(default_factory=set)  # ops with no strategy: replicated
 
     def param_shard_dim(self, name: str) -> int | None:
         """Tensor dim a parameter is sharded on over TP (None: replicated).
@@ -119,6 +123,7 @@ def find_tp_recipe(
     col_mm: set[str] = set()
     wgrad_mm: set[str] = set()
     embed_sharded: dict = {}
+    fallback_ops: set[str] = set()
 
     def forward(node) -> bool:
         return analysis.nodes[node.name].phase == "forward"
@@ -213,6 +218,18 @@ def find_tp_recipe(
             # gather the small routing scores: routers stay replicated in effect
             state[node.name] = "R"
             continue
+        if "S" in in_states:
+            allowed = admits_sharding(node)
+            if not allowed:  # no strategy keeps a sharded input: gather it, run replicated
+                if allowed is None:
+                    warn_unknown(node)
+                    fallback_ops.add(str(target))
+                for i, st in zip(ins, in_states):
+                    if st == "S" and batch_dep.get(i.name):
+                        events.append(TPEvent(i.name, "gather", analysis.nodes[i.name].nbytes, True,
+                                              forward(node), True))
+                state[node.name] = "R"
+                continue
         state[node.name] = "S" if "S" in in_states else "R"
         if target in _PARAM_MATMULS and state[node.name] == "S" and not forward(node):
             wgrad_mm.add(node.name)
@@ -225,4 +242,5 @@ def find_tp_recipe(
     for node_name, param in weight_of.items():
         if roles.get(param, REPLICATED) != REPLICATED:
             state[node_name] = "S"
-    return TPRecipe(state, roles, sharded_mm, col_mm, wgrad_mm, events, weight_of, batch_dep)
+    return TPRecipe(state, roles, sharded_mm, col_mm, wgrad_mm, events, weight_of, batch_dep,
+                    fallback_ops)
