@@ -219,7 +219,7 @@ def solve_row(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cfg: Model
         row.update(
             feasible=False, solve_s=wall, plan_wall_s=wall, manual_grid_s=manual_s,
             ilp_s=sum(s["solve_s"] for s in step.ilp_stats()[n_ilp:]),
-            message=str(exc), manual={k: None for k in manual}, manual_fits=bool(fits),
+            ilp=step.ilp_stats()[n_ilp:], message=str(exc), manual={k: None for k in manual}, manual_fits=bool(fits),
             manual_fitting=fits, ratio=None, ratio_ok=None,
         )
         return row
@@ -241,7 +241,7 @@ def solve_row(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cfg: Model
         memory_bytes=pred.memory_per_device_bytes, time_breakdown=dict(pred.time_breakdown),
         solve_s=plan.solve["time_s"], plan_wall_s=wall, manual_grid_s=manual_s,
         ilp_s=sum(s["solve_s"] for s in step.ilp_stats()[n_ilp:]),
-        considered=plan.solve["considered"], evaluated=plan.solve["evaluated"],
+        ilp=step.ilp_stats()[n_ilp:], considered=plan.solve["considered"], evaluated=plan.solve["evaluated"],
         cross_node_tp=bool(plan.solve["cross_node_tp"]), tp_recipe=plan.solve.get("tp_recipe"),
         manual=manual, manual_fits=bool(fitting),
         best_manual_family=best[0] if best else None,
@@ -476,18 +476,28 @@ def _format_layers(sec: dict) -> str:
     rows = []
     for r in sec["rows"]:
         rows.append([r["n_layers"], fmt_count(r["num_params"]), _capture_cell(r), _s(r["solve_s"], 2),
-                     _s(r["ilp_s"], 2), _s(r["manual_grid_s"], 2), f"{r.get('considered', 0):,}",
-                     f"{r.get('evaluated', 0):,}", r.get("layout", "does not fit"),
+                     _s(r["ilp_s"], 2), _ilp_size(r), _s(r["manual_grid_s"], 2),
+                     f"{r.get('considered', 0):,}", f"{r.get('evaluated', 0):,}",
+                     r.get("layout", "does not fit"),
                      fmt_time(r["step_s"]) if r["feasible"] else "-"])
     slope = sec["capture_s_per_layer"]
     foot = "" if slope is None else f"capture grows by {slope:.2f} s per layer (least squares)"
     return "\n".join([
-        table(["layers", "params", "capture s", "solve s", "of which ILP s", "manual grid s",
-               "considered", "fit", "solver layout", "step"], rows, "rrlrrrrrlr"),
-        "(solve s = plan.solve['time_s']: layout search + TP ILPs + the manual grid; "
-        "'fit' = layouts priced)",
+        table(["layers", "params", "capture s", "solve s", "of which ILP s", "ILP vars x cons",
+               "manual grid s", "considered", "fit", "solver layout", "step"], rows,
+              "rrlrrrrrrlr"),
+        "(solve s = plan.solve['time_s']: layout search + TP ILPs (one per TP degree) + the "
+        "manual grid; ILP size: the largest of them; 'fit' = layouts priced)",
         foot,
     ])
+
+
+def _ilp_size(r: dict) -> str:
+    ilps = r.get("ilp") or []
+    if not ilps:
+        return "-"
+    big = max(ilps, key=lambda i: i["variables"])
+    return f"{big['variables']:,} x {big['constraints']:,}"
 
 
 def _format_gpus(sec: dict) -> str:

@@ -46,6 +46,8 @@ class Plan:
     solve: dict = field(default_factory=dict)  # how the plan was reached (method, time, counts)
     alternatives: list[tuple[Layout, Prediction]] = field(default_factory=list)
     alternative_labels: list[str] = field(default_factory=list)
+    # the captured step's cost facts, so explain() prices other layouts without a new capture
+    _facts: StepFacts | None = field(default=None, repr=False, compare=False)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -124,7 +126,7 @@ class Plan:
         """
         from autopar.manual import standard_layouts
 
-        facts = _FACTS_FOR_PLAN.get(id(self))
+        facts = self._facts
         candidates: list[tuple[str, Layout | Plan]] = []
         if other is None:
             candidates = list(standard_layouts(self.cluster, self.batch, self.layout).items())
@@ -253,8 +255,6 @@ def _collectives_of(role: str, layout: Layout) -> str:
     return "; ".join(parts) or "none"
 
 
-# Captured steps of recent plans, so explain() can evaluate other layouts without recapture.
-_FACTS_FOR_PLAN: dict[int, StepFacts] = {}
 _STEP_CACHE: dict[tuple, CapturedStep] = {}
 
 
@@ -360,7 +360,7 @@ def make_plan(facts: StepFacts, cluster: Cluster, layout: Layout, model: str = "
     plan = Plan(layout=layout, predicted=pred, cluster=cluster, placements=placements, stages=stages,
                 tp_roles=roles, model=model, fingerprint=fingerprint, batch=facts.batch, seq=facts.seq,
                 num_params=facts.num_params)
-    _FACTS_FOR_PLAN[id(plan)] = facts
+    plan._facts = facts
     return plan
 
 

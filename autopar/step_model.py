@@ -744,7 +744,7 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
     stage = _stage_of(facts.saved_layer, n_layers, pp)
     per_stage = np.bincount(stage, weights=local * keep, minlength=pp)
     # At the peak of the backward the largest activation and its gradient are live beside the
-    # saved ones (the fp32 logits and their gradient in a language model): a transient the
+    # saved ones (the fp32 logits and their gradient in a language model): a temporary buffer the
     # saved-tensor count misses; it made micro-batches 1.2-2.3x larger than the playbook could
     # run look like they fit (`autopar bench cost-model`, section 4b).
     transient = 2.0 * float(local.max()) if len(local) else 0.0
@@ -763,8 +763,8 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
                 params=states["params"],
                 grads=states["grads"],
                 optimizer=states["optimizer"],
-                activations=float(per_stage[s]) * flight + transient,
-                buffers=buffer_bytes(lay.dp * cp, lay.zero, block_params, rec.param_bytes),
+                activations=float(per_stage[s]) * flight,
+                buffers=buffer_bytes(lay.dp * cp, lay.zero, block_params, rec.param_bytes) + transient,
                 reserve=RESERVE_BYTES,
             )
         )
