@@ -20,6 +20,7 @@ from autopar.manual import best_manual, divisors
 from autopar.planner import CapturedStep, Plan, make_plan
 from autopar.step_model import Prediction, StepFacts, check_layout, predict, predict_memory
 from cost import Cluster, Layout, LayoutError
+from cost.memory import RESERVE_BYTES
 
 
 class NoFeasiblePlanError(AutoparError):
@@ -72,7 +73,8 @@ def candidate_layouts(
                         for sp in (False, True) if tp > 1 else (False,):
                             for precision in precisions:
                                 for schedule, v in schedules:
-                                    for zero in (0, 1, 2, 3):
+                                    # ZeRO shards over dp*cp: with one such rank, stage 0 only
+                                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                                         for recompute in ("none", "selective", "full"):
                                             try:
                                                 yield Layout(
@@ -161,6 +163,19 @@ def solve(
 ) -> Plan:
     """The best plan for ``facts`` on ``cluster``; raises `NoFeasiblePlanError` if none fits."""
     t0 = time.perf_counter()
+    base = step.facts()
+    # The model state alone, sharded as thinly as ZeRO-3 can (bf16 weights and gradients, fp32
+    # master and Adam: 16 bytes per parameter), must fit beside the reserve.
+    floor = base.num_params * 16 / cluster.world_size + RESERVE_BYTES
+    if floor > cluster.gpu.memory_bytes:
+        raise NoFeasiblePlanError(
+            f"{model or 'the model'} has {base.num_params / 1e9:.1f} B parameters: even sharded "
+            f"over all {cluster.world_size} devices its weights, gradients and Adam state need "
+            f"{floor / 2**30:.1f} GiB per device (with the runtime reserve) and "
+            f"{cluster.gpu.name} has {cluster.gpu.memory_bytes / 2**30:.1f} GiB, short by "
+            f"{(floor - cluster.gpu.memory_bytes) / 2**30:.1f} GiB; fix: at least "
+            f"{int(base.num_params * 16 // (cluster.gpu.memory_bytes - RESERVE_BYTES)) + 1} devices"
+        )
     if progress:
         progress(f"searching layouts of {model or 'the model'} on {cluster.world_size} devices ...")
     layout, pred, facts, stats = search(step, cluster, allow_fp8=allow_fp8, progress=progress,

@@ -35,6 +35,13 @@ _CARRY_SHARDING = {
     aten.nll_loss_forward.default, aten.nll_loss_backward.default,
     aten.cumsum.default, aten.index_add.default, aten.index_select.default,
     aten.embedding_dense_backward.default, aten.mean.dim, aten.sum.dim_IntList,
+    aten.select_backward.default, aten.slice_backward.default, aten.scatter.src,
+    aten.scatter_add.default, aten.gather.default, aten.index_put.default,
+}
+# Ops that read their tensor input only for its dtype and device: a fresh replicated output.
+FACTORY_LIKE = {
+    aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
 }
 for _name in ("_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_flash_attention_for_cpu_backward",

@@ -32,7 +32,7 @@ import torch
 
 from autopar.analysis import GraphAnalysis
 from autopar.capture import TrainingGraph
-from autopar.strategies import admits_sharding, warn_unknown
+from autopar.strategies import FACTORY_LIKE, admits_sharding, warn_unknown
 
 aten = torch.ops.aten
 
@@ -217,6 +217,9 @@ def find_tp_recipe(
         if target in _SELECTION and "S" in in_states:
             # gather the small routing scores: routers stay replicated in effect
             state[node.name] = "R"
+            continue
+        if target in FACTORY_LIKE:
+            state[node.name] = "R"  # reads only the dtype and device of its input
             continue
         if "S" in in_states:
             allowed = admits_sharding(node)
