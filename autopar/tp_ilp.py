@@ -158,76 +158,112 @@ def solve_tp_roles(
 
     zero = solver.NumVar(0, 0, "zero")
     objective = []
-    seg_producers: dict[str, list[str]] = defaultdict(list)
-    for mm in matmuls:
+
+    # Tie the L blocks: a segment is known by the weight groups that produce and consume it,
+    # so the same segment of every block shares one state variable, and every cost below is
+    # summed over the blocks under one key. The problem's size does not grow with depth.
+    producers: dict[str, set[str]] = defaultdict(set)
+    consumers: dict[str, set[str]] = defaultdict(set)
+    for mm, (param, x) in matmuls.items():
         for user in nodes[mm].users:
             if user.name in segment:
-                seg_producers[segment[user.name]].append(mm)
-    seg_state = {seg: solver.BoolVar(f"y[{seg}]") for seg in set(segment.values())}
-    for seg, y in seg_state.items():
-        cols = [role_vars(matmuls[m][0]).get(COL, zero) for m in seg_producers.get(seg, [])]
+                producers[segment[user.name]].add(group_of(param))
+        if x.name in segment:
+            consumers[segment[x.name]].add(group_of(param))
+    seg_key = {seg: (frozenset(producers[seg]), frozenset(consumers[seg])) for seg in set(segment.values())}
+    seg_work: dict[tuple, float] = defaultdict(float)
+    for name, seg in segment.items():
+        seg_work[seg_key[seg]] += work(name)
+    key_param = {}
+    for param in {p for p, _ in matmuls.values()}:
+        key_param.setdefault(group_of(param), param)
+    seg_state = {key: solver.BoolVar(f"y[{i}]") for i, key in enumerate(seg_work)}
+    for key, y in seg_state.items():
+        # sharded exactly when some producing weight is column-parallel
+        cols = [role_vars(key_param[g]).get(COL, zero) for g in key[0]]
         for c in cols:
             solver.Add(y >= c)
         solver.Add(y <= sum(cols) if cols else y <= 0)
-    # segment compute: /t when sharded, and under SP also when replicated (sequence-sharded)
-    seg_work: dict[str, float] = defaultdict(float)
-    for name, seg in segment.items():
-        seg_work[seg] += work(name)
-    for seg, y in seg_state.items():
-        w = seg_work[seg]
+        w = seg_work[key]
         objective.append(w / tp if sp else w - w * (1 - 1 / tp) * y)
+
+    counter = iter(range(10**9))
+
+    def fresh(label: str):
+        """A new binary; OR-tools aborts on duplicate variable names."""
+        return solver.BoolVar(f"{label}#{next(counter)}")
 
     def both(a, b, label: str):
         """A binary equal to a AND b (objective coefficients are positive: lower bounds do)."""
-        z = solver.BoolVar(label)
+        z = fresh(label)
         solver.Add(z >= a + b - 1)
         return z
 
-    shared_input: dict[str, list] = defaultdict(list)  # value -> col (and SP rep) consumer vars
+    compute: dict[str, float] = defaultdict(float)
+    reduce_cost: dict[str, float] = defaultdict(float)
+    sliced_out: dict[tuple, float] = defaultdict(float)  # (group, segment key) -> all-gather s
+    gathered_in: dict[tuple, float] = defaultdict(float)  # (group, segment key) -> AG + RS s
+    sliced_in: dict[tuple, float] = defaultdict(float)
+    shared: dict[tuple, float] = defaultdict(float)  # (consumer groups, segment key) -> s
+    roots: dict[str, tuple[set, tuple, float]] = {}
     for mm, (param, x) in matmuls.items():
-        roles = role_vars(param)
-        sharded = sum(v for r, v in roles.items() if r != REPLICATED)
-        rep = roles[REPLICATED]
-        w = work(mm)
-        objective.append(w * rep + (w / tp) * sharded)
+        g = group_of(param)
+        compute[g] += work(mm)
         out_bytes = info[mm].nbytes
-        if ROW in roles:  # partial output reduced: all-reduce, or reduce-scatter under SP; an
-            # attention input must be whole on its heads' ranks: all-reduce either way
-            kind = "reduce_scatter" if sp and param not in attention_heads_in else "all_reduce"
-            objective.append(comm(kind, out_bytes) * roles[ROW])
-        # a replicated output entering a sharded segment is sliced; its gradient all-gathered
+        # partial output reduced: all-reduce, or reduce-scatter under SP; an attention input
+        # must be whole on its heads' ranks: all-reduce either way
+        kind = "reduce_scatter" if sp and param not in attention_heads_in else "all_reduce"
+        reduce_cost[g] += comm(kind, out_bytes)
         for user in nodes[mm].users:
-            if user.name in segment:
-                z = both(rep, seg_state[segment[user.name]], f"rs[{mm}]")
-                objective.append(comm("all_gather", out_bytes) * z)
+            if user.name in segment:  # a replicated output entering a sharded segment: sliced
+                sliced_out[(g, seg_key[segment[user.name]])] += comm("all_gather", out_bytes)
                 break
         in_bytes = info[x.name].nbytes
-        y = seg_state.get(segment.get(x.name, ""), zero)
-        needs_r = [v for r, v in roles.items() if r in (COL, REPLICATED)]
-        if needs_r:  # a sharded input gathered for a column or replicated weight
-            z = both(sum(needs_r), y, f"ag[{mm}]")
-            objective.append((comm("all_gather", in_bytes) + comm("reduce_scatter", in_bytes)) * z)
-        if ROW in roles:  # a replicated input sliced for a row weight; gradient all-gathered
-            w_ = solver.BoolVar(f"sl[{mm}]")
-            solver.Add(w_ >= roles[ROW] - y)
-            objective.append(comm("all_gather", in_bytes) * w_)
+        key = seg_key.get(segment.get(x.name, ""))
+        gathered_in[(g, key)] += comm("all_gather", in_bytes) + comm("reduce_scatter", in_bytes)
+        sliced_in[(g, key)] += comm("all_gather", in_bytes)
         root = info[x.name].storage
-        shared_input[root].append((roles.get(COL, zero), rep, in_bytes))
-    for root, users in shared_input.items():
-        # col consumers of one value: one backward all-reduce (SP: forward all-gather + backward
-        # reduce-scatter) of its gradient, however many consumers share it (q, k, v)
-        in_bytes = users[0][2]
-        a = solver.BoolVar(f"a[{root}]")
-        for col, rep, _ in users:
-            solver.Add(a >= col)
-            if sp:
-                solver.Add(a >= rep)
+        groups_of_root, _, _ = roots.setdefault(root, (set(), key, in_bytes))
+        groups_of_root.add(g)
+    for groups_of_root, key, in_bytes in roots.values():
+        # column consumers of one value: one backward all-reduce (SP: forward all-gather and
+        # backward reduce-scatter) of its gradient, however many consumers share it (q, k, v)
         cost = comm("all_gather", in_bytes) + comm("reduce_scatter", in_bytes) if sp else comm("all_reduce", in_bytes)
+        shared[(frozenset(groups_of_root), key)] += cost
+    for g, w in compute.items():
+        roles = role_vars(key_param[g])
+        sharded = sum(v for r, v in roles.items() if r != REPLICATED)
+        objective.append(w * roles[REPLICATED] + (w / tp) * sharded)
+        if ROW in roles:
+            objective.append(reduce_cost[g] * roles[ROW])
+    for (g, key), cost in sliced_out.items():
+        roles = role_vars(key_param[g])
+        objective.append(cost * both(roles[REPLICATED], seg_state[key], f"rs[{g}]"))
+    for (g, key), cost in gathered_in.items():
+        roles = role_vars(key_param[g])
+        needs_r = [v for r, v in roles.items() if r in (COL, REPLICATED)]
+        y = seg_state.get(key, zero)
+        if needs_r:  # a sharded input gathered for a column or replicated weight
+            objective.append(cost * both(sum(needs_r), y, f"ag[{g}]"))
+        if ROW in roles:  # a replicated input sliced for a row weight; gradient all-gathered
+            w_ = fresh(f"sl[{g}]")
+            solver.Add(w_ >= roles[ROW] - y)
+            objective.append(sliced_in[(g, key)] * w_)
+    for (groups_of_root, _key), cost in shared.items():
+        a = fresh("a")
+        for g in groups_of_root:
+            roles = role_vars(key_param[g])
+            solver.Add(a >= roles.get(COL, zero))
+            if sp:
+                solver.Add(a >= roles[REPLICATED])
         objective.append(cost * a)
+    embed_comm: dict[str, float] = defaultdict(float)
     for emb, param in embeddings.items():
+        embed_comm[param] += comm("reduce_scatter" if sp else "all_reduce", info[emb].nbytes)
+    for param, cost in embed_comm.items():
         roles = role_vars(param, is_embedding=True)
         if VOCAB in roles:
-            objective.append(comm("reduce_scatter" if sp else "all_reduce", info[emb].nbytes) * roles[VOCAB])
+            objective.append(cost * roles[VOCAB])
     # Weights: the ILP sees time, not the optimizer state a replicated weight costs on every rank
     # (16-20 bytes per parameter). Keep the weights' footprint within 1 % of the least possible,
     # so a time gain is never bought with a memory cost the outer search cannot see.
