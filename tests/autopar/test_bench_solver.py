@@ -111,7 +111,7 @@ def test_infeasible_row_is_recorded():
     assert row["feasible"] is False
     assert row["manual_fits"] is False and row["ratio"] is None
     assert all(v is None for v in row["manual"].values())
-    assert "no layout" in row["message"]
+    assert "short by" in row["message"]
     assert sanity_checks([row])[1]["ok"] is True
 
 
