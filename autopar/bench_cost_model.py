@@ -16,7 +16,6 @@ Every model is captured once (on fake tensors) and re-evaluated with `StepFacts.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -26,7 +25,7 @@ import torch
 import autopar
 from autopar import models
 from autopar.planner import step_facts
-from autopar.report import table
+from autopar.report import json_ready, table
 from autopar.step_model import StepFacts, predict
 from cost import Cluster, Layout
 from cost.comm import DEFAULT_MESSAGE_BYTES, Group, bus_bandwidth
@@ -92,22 +91,6 @@ def _fmt_pct(x: float | None) -> str:
 
 def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x / GIB:.2f}"
-
-
-def _plain(obj):
-    """Recursively turn numpy scalars and tuples into JSON-ready Python values."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, (np.floating, float)):
-        value = float(obj)
-        return value if math.isfinite(value) else None
-    return obj
 
 
 def _megatron_facts(step) -> StepFacts:
@@ -543,7 +526,7 @@ def run_cost_model_bench(quick: bool = False, progress: Callable[[str], None] | 
     result["capture_s"] = captures
     result["summary"] = _summary(result)
     result["time_s"] = time.perf_counter() - t0
-    return _plain(result)
+    return json_ready(result)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ Every model is built once on the meta device and captured once per global batch
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from autopar import models
 from autopar.manual import best_manual
 from autopar.models import ModelConfig
 from autopar.planner import step_facts
-from autopar.report import fmt_count, fmt_time, table
+from autopar.report import fmt_count, fmt_time, json_ready, table
 from autopar.solver import NoFeasiblePlanError
 from cost import Cluster
 
@@ -87,22 +86,6 @@ TITLES = {
 
 def _say(progress: Callable[[str], None] | None) -> Callable[[str], None]:
     return progress or (lambda _msg: None)
-
-
-def _plain(obj):
-    """Recursively turn numpy scalars and tuples into JSON-ready Python values."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, (np.floating, float)):
-        value = float(obj)
-        return value if math.isfinite(value) else None
-    return obj
 
 
 def model_label(cfg: ModelConfig) -> str:
@@ -420,7 +403,7 @@ def run_sections(names: Iterable[str], nodes: Iterable[int], layers: Iterable[in
     result["all_ok"] = all(c["ok"] is not False for c in result["checks"])
     result["capture_s"] = runs.capture_times()
     result["time_s"] = time.perf_counter() - t0
-    return _plain(result)
+    return json_ready(result)
 
 
 # --------------------------------------------------------------------------------------------
