@@ -113,6 +113,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = block_check(args.measured) if args.measured else block_check()
         print(format_block_check(result))
+    elif args.what == "runtime":
+        from autopar.bench_runtime import format_runtime_bench, run_runtime_bench
+
+        result = run_runtime_bench(quick=args.quick)
+        print(format_runtime_bench(result))
     elif args.what == "solver":
         from autopar.bench_solver import format_solver_bench, run_solver_bench
 
@@ -198,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dump)
 
     p = sub.add_parser("bench", help="benchmarks: tables plus JSON in results/")
-    p.add_argument("what", choices=["cost-model", "block-check", "solver"])
+    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime"])
     p.add_argument("--quick", action="store_true", help="fewer points")
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
     p.add_argument("--json", help="where to write the results (default results/bench-WHAT.json)")

@@ -193,7 +193,8 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
             # price the layout on the per-rank capture (activations are linear in the batch)
             local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
             graph = _capture_local(model, local, loss_fn)
-            facts = CapturedStep(graph, analyze(graph), getattr(model, "config", None)).facts()
+            fused = not cluster.gpu.name.startswith("cpu")  # CPU ranks run eager kernels
+            facts = CapturedStep(graph, analyze(graph), getattr(model, "config", None), fused=fused).facts()
             check_layout(facts.rebatch(batch), cluster, layout)
             return make_layout_plan(facts.rebatch(batch), cluster, layout,
                                     model=getattr(getattr(model, "config", None), "name", type(model).__name__),

@@ -48,7 +48,10 @@ def candidate_layouts(
     layers = max(facts.n_layers, 1)
     cps = [1] + [c for c in (2, 4, 8) if seq % c == 0 and seq // c >= 2048]
     eps = [e for e in divisors(facts.n_experts)] if facts.n_experts else [1]
-    precisions = ("bf16", "fp8") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else ("bf16",)
+    if cluster.gpu.name.startswith("cpu"):
+        precisions = ("fp32",)  # CPU ranks compute in fp32 (bf16 matmuls are far slower there)
+    else:
+        precisions = ("bf16", "fp8") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else ("bf16",)
     for tp in tps:
         for cp in cps:
             for pp in divisors(world // (tp * cp)) if world % (tp * cp) == 0 else []:

@@ -49,3 +49,15 @@ def test_dump_shows_the_collectives_of_the_plan(capsys):
     text = capsys.readouterr().out
     assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text
     assert "# ZeRO-3: gather layers.0.attn.q_proj.weight for the forward" in text
+
+
+def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monkeypatch):
+    from autopar.bench_runtime import format_runtime_bench, run_runtime_bench
+
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "cal.json"))
+    result = run_runtime_bench(quick=True, world=2, progress=lambda _line: None)
+    labels = [r["layout"] for r in result["rows"]]
+    assert labels == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "solver"]
+    assert all(r["measured_s"] > 0 and r["hand_written_s"] > 0 and r["predicted_s"] > 0 for r in result["rows"])
+    assert "Spearman" in format_runtime_bench(result)
+    json.dumps(result)
