@@ -87,9 +87,10 @@ def best_of(layouts, facts: StepFacts, cluster: Cluster) -> tuple[Layout, Predic
             check_layout(facts, cluster, layout)
         except LayoutError:
             continue
-        if predict_memory(facts, cluster, layout, check=False).total > cluster.gpu.memory_bytes:
+        memory = predict_memory(facts, cluster, layout, check=False)
+        if memory.total > cluster.gpu.memory_bytes:
             continue
-        pred = predict(facts, cluster, layout)
+        pred = predict(facts, cluster, layout, memory=memory)
         if best is None or pred.step_time_s < best[1].step_time_s:
             best = (layout, pred)
     return best

@@ -12,6 +12,7 @@ The same inputs always give the same plan.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 
@@ -73,30 +74,22 @@ def candidate_layouts(
                         ga = batch // (dp * mb)
                         if pp > 1 and ga < pp:
                             continue
-                        for sp in (False, True) if tp > 1 else (False,):
-                            for precision in precisions:
-                                for schedule, v in schedules:
-                                    # ZeRO shards over dp*cp: with one such rank, stage 0 only
-                                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                                        for recompute in ("none", "selective", "full"):
-                                            try:
-                                                yield Layout(
-                                                    dp=dp,
-                                                    tp=tp,
-                                                    pp=pp,
-                                                    cp=cp,
-                                                    ep=ep,
-                                                    zero=zero,
-                                                    sp=sp,
-                                                    microbatch=mb,
-                                                    grad_accum=ga,
-                                                    schedule=schedule,
-                                                    virtual_stages=v,
-                                                    recompute=recompute,
-                                                    precision=precision,
-                                                )
-                                            except LayoutError:
-                                                continue
+                        # the choices below are independent of each other
+                        choices = itertools.product(
+                            (False, True) if tp > 1 else (False,),
+                            precisions,
+                            schedules,
+                            (0, 1, 2, 3) if dp * cp > 1 else (0,),  # ZeRO shards over dp*cp
+                            ("none", "selective", "full"),
+                        )
+                        for sp, precision, (schedule, v), zero, recompute in choices:
+                            try:
+                                yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
+                                             microbatch=mb, grad_accum=ga, schedule=schedule,
+                                             virtual_stages=v, recompute=recompute,
+                                             precision=precision)
+                            except LayoutError:
+                                continue
 
 
 def search(
@@ -109,7 +102,7 @@ def search(
     """Best fitting layout, its prediction and cost facts, and search statistics."""
     best: tuple[Layout, Prediction, StepFacts, str] | None = None
     base = step.facts()
-    stats = {"considered": 0, "evaluated": 0, "fit": 0, "cross_node_tp": False}
+    stats = {"considered": 0, "fit": 0, "cross_node_tp": False}
     smallest: list[tuple[float, Layout]] = []  # for the infeasible report
     capacity = cluster.gpu.memory_bytes
     last_report = time.perf_counter()
@@ -125,15 +118,14 @@ def search(
                         check_layout(facts, cluster, layout)
                     except LayoutError:
                         continue
-                    mem = predict_memory(facts, cluster, layout, check=False).total
-                    if mem > capacity:
-                        smallest.append((mem, layout))
+                    mem = predict_memory(facts, cluster, layout, check=False)
+                    if mem.total > capacity:
+                        smallest.append((mem.total, layout))
                         if len(smallest) > 64:
                             smallest = sorted(smallest, key=lambda x: x[0])[:8]
                         continue
                     stats["fit"] += 1
-                    stats["evaluated"] += 1
-                    pred = predict(facts, cluster, layout)
+                    pred = predict(facts, cluster, layout, memory=mem)
                     if best is None or pred.step_time_s < best[1].step_time_s - 1e-12:
                         best = (layout, pred, facts, recipe_name)
                     if progress and best and time.perf_counter() - last_report > 1.0:
@@ -194,7 +186,7 @@ def solve(
         "tp_recipe": stats.get("tp_recipe"),
         "ilp": step.ilp_stats(),
         "time_s": time.perf_counter() - t0,
-        "evaluated": stats["evaluated"],
+        "evaluated": stats["fit"],  # every layout that fits is priced
         "considered": stats["considered"],
         "fit": stats["fit"],
         "cross_node_tp": stats["cross_node_tp"],

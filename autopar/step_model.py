@@ -468,8 +468,13 @@ def predict_memory(facts: StepFacts, cluster: Cluster, layout: Layout, check: bo
     return max(memory, key=lambda b: b.total)
 
 
-def predict(facts: StepFacts, cluster: Cluster, layout: Layout) -> Prediction:
-    """Step time, throughput, MFU and memory per device of ``layout`` on ``cluster``."""
+def predict(
+    facts: StepFacts, cluster: Cluster, layout: Layout, memory: MemoryBreakdown | None = None
+) -> Prediction:
+    """Step time, throughput, MFU and memory per device of ``layout`` on ``cluster``.
+
+    ``memory``: the fullest device's breakdown from `predict_memory`, if already computed.
+    """
     check_layout(facts, cluster, layout)
     gpu = cluster.gpu
     lay = layout
@@ -573,8 +578,8 @@ def predict(facts: StepFacts, cluster: Cluster, layout: Layout) -> Prediction:
     mfu = tps * (facts.total_flops / tokens) / (world * peak)
 
     # ---- memory of the fullest stage
-    memory = _memory(facts, cluster, lay, rec, params_stage, scale, n_layers)
-    worst = max(memory, key=lambda b: b.total)
+    worst = memory or max(_memory(facts, cluster, lay, rec, params_stage, scale, n_layers),
+                          key=lambda b: b.total)
     compute_s = m * float(fwd[slowest] + bwd[slowest])
     time_breakdown = {
         "compute_s": compute_s,

@@ -57,8 +57,8 @@ class _JointStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) if not isinstance(g, DTensor)
-                  else g * grad_loss.item() for g in ctx.grads]
+        scale = grad_loss.item()  # the loss is a scalar: 1 for a plain loss.backward()
+        scaled = [None if g is None else g * scale for g in ctx.grads]
         ctx.grads = None  # free them: one backward per step
         return (None, None, None, None, *scaled)
 
