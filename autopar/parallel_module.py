@@ -6,8 +6,12 @@ like the original: ``loss = pm(*batch)``, ``loss.backward()`` fills ``pm.paramet
 with the plan's placements), any ``torch.optim`` optimizer steps them, and
 ``torch.distributed.checkpoint`` saves ``pm.state_dict()``.
 
-Executed today: data parallelism and ZeRO 1/2/3 on any mesh. Layouts with tensor, pipeline,
-context or expert parallelism are planned but not yet executed: they raise a clear error.
+The passes compose: the tensor-parallel pass (passes/tensor_parallel.py) turns the global graph
+into one TP rank's graph, the data-parallel pass (passes/data_parallel.py) then adds gradient
+reduction and ZeRO over the "dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP and their
+products (a ("dp", "tp") mesh). Layouts with pipeline, context or expert parallelism are planned
+but not yet executed: they raise a clear error. Gradient accumulation and recomputation are
+memory decisions of the plan; the executed step computes the same numbers in one pass.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.analysis import analyze
 from autopar.capture import capture
@@ -30,6 +35,7 @@ from autopar.planner import plan as make_plan
 from autopar.step_model import check_layout
 from cost import Cluster, Layout
 from passes.data_parallel import apply_data_parallel
+from passes.tensor_parallel import apply_tensor_parallel, parse_placement
 from runtime.executor import RankGraph, run_step
 
 
@@ -62,8 +68,7 @@ class ParallelModule(nn.Module):
                 "step was planned for: call autopar.parallelize again with these shapes"
             )
         dp = self.plan.layout.dp
-        rank = self.mesh.get_local_rank(0) if self.mesh.ndim else 0
-        local = tuple(x.chunk(dp, dim=0)[rank] for x in batch)
+        local = tuple(x.chunk(dp, dim=0)[_dp_rank(self.mesh)] for x in batch)
         named = dict(self.named_parameters(remove_duplicate=False))
         params = [(name, named[name]) for name in self._canonical]
         buffers = dict(self.named_buffers())
@@ -116,7 +121,6 @@ def parallelize(
         if mesh != world:
             raise InputError(f"mesh of {mesh} ranks but the process group has {world}: pass "
                              f"mesh={world} or start {mesh} ranks")
-        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     elif mesh.size() != world:
         raise InputError(f"the mesh has {mesh.size()} ranks but the process group has {world}")
     if any(p.device.type == "meta" for p in model.parameters()):
@@ -126,36 +130,65 @@ def parallelize(
     batch = example_inputs[0].shape[0]
     chosen = _choose_plan(model, example_inputs, loss_fn, plan, layout, world)
     lay = chosen.layout
-    if max(lay.tp, lay.pp, lay.cp, lay.ep) > 1:
+    if max(lay.pp, lay.cp, lay.ep) > 1:
         raise UnsupportedLayoutError(
-            f"layout {lay.short()}: executing tensor, pipeline, context or expert parallelism is "
-            "not implemented yet (planning is); run a data-parallel / ZeRO layout "
-            "(tp=pp=cp=ep=1) or use the plan for its predictions"
+            f"layout {lay.short()}: executing pipeline, context or expert parallelism is not "
+            "implemented yet (planning is); run a DP / ZeRO / TP / TP+SP layout (pp=cp=ep=1) or "
+            "use the plan for its predictions"
         )
     if batch % lay.dp:
         raise InputError(f"the batch of {batch} does not split over {lay.dp} data-parallel ranks: "
                          f"use a batch that is a multiple of {lay.dp}")
+    mesh = _mesh_for(mesh, lay, device_type)
 
-    rank = mesh.get_local_rank(0) if mesh.ndim == 1 else dist.get_rank()
-    local_inputs = tuple(x.chunk(lay.dp, dim=0)[rank] for x in example_inputs)
+    local_inputs = tuple(x.chunk(lay.dp, dim=0)[_dp_rank(mesh)] for x in example_inputs)
     graph = _capture_local(model, local_inputs, loss_fn)
-    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
+    inputs = [(i.kind, i.name) for i in graph.inputs]
     grads = {o.name: o.index for o in graph.outputs if o.kind == "grad"}
     loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
-    group_name = mesh.get_group(0).group_name
-    sharded = apply_data_parallel(graph.gm, params, grads, loss_index, graph.param_shapes,
-                                  lay.zero, lay.dp, group_name)
+    gm, shapes = graph.gm, dict(graph.param_shapes)
+    tp_placements = {name: parse_placement(axes.get("tp", "Replicate()"))
+                     for name, axes in chosen.placements.items()} if lay.tp > 1 else {}
+    if lay.tp > 1:
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        traced = apply_tensor_parallel(
+            gm, inputs, [tuple(n.meta["val"].shape) for n in holders], tp_placements, mesh["tp"],
+            lay.sp, {i: n for n, i in grads.items()}, loss_index)
+        gm = traced.gm
+        shapes.update(traced.local_shapes)
+    holders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    params = {name: node for (kind, name), node in zip(inputs, holders) if kind == "param"}
+    sharded: set[str] = set()
+    if lay.dp > 1:
+        sharded = apply_data_parallel(gm, params, grads, loss_index, shapes, lay.zero, lay.dp,
+                                      mesh["dp"].get_group().group_name)
     rank_graph = RankGraph(
-        gm=graph.gm,
-        inputs=[(i.kind, i.name[len("input"):] if i.kind == "input" else i.name) for i in graph.inputs],
+        gm=gm,
+        inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
         loss_index=loss_index,
         grad_index=grads,
     )
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
     module = copy.deepcopy(model)
-    _to_dtensors(module, mesh, sharded, graph.aliases, rank, lay.dp)
+    _to_dtensors(module, mesh, lay, sharded, tp_placements, graph.aliases)
     return ParallelModule(module, rank_graph, chosen, mesh, [tuple(x.shape) for x in example_inputs],
                           list(params))
+
+
+def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> DeviceMesh:
+    """A ("dp", "tp") mesh for the layout: the user's, if it already has that shape."""
+    shape = (layout.dp, layout.tp)
+    if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("dp", "tp") and tuple(mesh.shape) == shape:
+        return mesh
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and tuple(mesh.shape) != shape:
+        raise InputError(f"the mesh has shape {tuple(mesh.shape)} but the plan's layout {layout.short()} "
+                         f"needs (dp, tp) = {shape}: pass mesh={mesh.size()} and let autopar build it")
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))
+
+
+def _dp_rank(mesh: DeviceMesh) -> int:
+    """This rank's coordinate on the data-parallel axis: which slice of the batch it runs."""
+    return mesh.get_local_rank("dp")
 
 
 _LOCAL_GRAPHS: dict[tuple, object] = {}
@@ -189,7 +222,7 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
         cluster = Cluster.from_dict({**cluster.to_dict(), "nodes": 1, "gpus_per_node": world})
     if layout is not None:
         batch = example_inputs[0].shape[0]
-        if batch % layout.dp == 0:
+        if batch % layout.dp == 0 and layout.tp == 1:
             # price the layout on the per-rank capture (activations are linear in the batch)
             local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
             graph = _capture_local(model, local, loss_fn)
@@ -203,9 +236,14 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
     return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, executable_only=True)
 
 
-def _to_dtensors(module: nn.Module, mesh: DeviceMesh, sharded: set[str], aliases: dict[str, str],
-                 rank: int, dp: int) -> None:
-    """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placement."""
+def _to_dtensors(module: nn.Module, mesh: DeviceMesh, layout: Layout, sharded: set[str],
+                 tp_placements: dict, aliases: dict[str, str]) -> None:
+    """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placements.
+
+    On the ("dp", "tp") mesh a weight is first split over TP, then (ZeRO) its TP shard's rows
+    over DP; when both split dim 0 that is DTensor's right-to-left `_StridedShard` order.
+    """
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     made: dict[int, nn.Parameter] = {}
     for mod_name, sub in module.named_modules(remove_duplicate=False):
         for pname, p in list(sub._parameters.items()):
@@ -215,10 +253,16 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, sharded: set[str], aliases
             canonical = aliases.get(full_name, full_name)
             if id(p) not in made:
                 data = p.detach()
+                tp_place = tp_placements.get(canonical, Replicate())
+                local = data
+                if isinstance(tp_place, Shard):
+                    local = local.chunk(layout.tp, dim=tp_place.dim)[tp_rank]
+                dp_place = Replicate()
                 if canonical in sharded:
-                    dt = DTensor.from_local(data.chunk(dp, dim=0)[rank].clone(), mesh, [Shard(0)],
-                                            run_check=False, shape=data.shape, stride=data.stride())
-                else:
-                    dt = DTensor.from_local(data.clone(), mesh, [Replicate()], run_check=False)
+                    local = local.chunk(layout.dp, dim=0)[dp_rank]
+                    strided = isinstance(tp_place, Shard) and tp_place.dim == 0 and layout.tp > 1
+                    dp_place = _StridedShard(0, split_factor=layout.tp) if strided else Shard(0)
+                dt = DTensor.from_local(local.contiguous().clone(), mesh, [dp_place, tp_place],
+                                        run_check=False, shape=data.shape, stride=data.stride())
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             sub._parameters[pname] = made[id(p)]

@@ -107,13 +107,13 @@ def search(
     capacity = cluster.gpu.memory_bytes
     last_report = time.perf_counter()
     for cross in (False, True):
-        for tp in [1] if executable_only else tp_degrees(base, cluster, cross):
+        for tp in tp_degrees(base, cluster, cross):
             variants = [("megatron", base)] if tp == 1 else step.tp_variants(cluster, tp)
             for recipe_name, facts in variants:
                 for layout in candidate_layouts(facts, cluster, [tp], allow_fp8=allow_fp8):
                     stats["considered"] += 1
                     if executable_only and max(layout.pp, layout.cp, layout.ep) > 1:
-                        continue  # autopar.parallelize runs data parallelism and ZeRO today
+                        continue  # autopar.parallelize runs DP, ZeRO, TP and SP today
                     try:
                         check_layout(facts, cluster, layout)
                     except LayoutError:

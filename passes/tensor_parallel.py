@@ -1,0 +1,382 @@
+"""Tensor (and sequence) parallelism as a rewrite of the per-rank joint graph.
+
+The plan gives every weight a placement on the TP axis; picotron's layers, in graph form:
+
+    column-parallel  W = [W1 .. Wt] (Shard(0) of [out, in]):  Y_i = X W_i           (X replicated)
+    row-parallel     W = [W1; .. ; Wt] (Shard(1)):           Y = sum_i X_i W_i     (a partial sum)
+    vocab-parallel   E = [E1; .. ; Et] (Shard(0)):           e = sum_i mask_i(E_i[ids])
+
+The pass runs the global joint graph once on DTensors (weights with the plan's placements,
+the batch replicated over TP) and traces what each rank executes: local shapes, and the
+functional collectives DTensor inserts where placements meet. The plan's decisions are made
+explicit rather than left to DTensor's cost heuristics:
+
+- a partial sum is reduced when it reaches an op that is not linear in it: all-reduce, or under
+  sequence parallelism reduce-scatter onto the sequence dimension (Megatron-SP);
+- the input of a column-parallel matmul is gathered first (a no-op without SP, the SP
+  all-gather with it), so DTensor never chooses to gather a weight instead;
+- every gradient leaves with its weight's placement, the loss replicated.
+
+Ops with no DTensor strategy (e.g. MoE's index_add) run replicated, with a warning naming them.
+Each collective in the traced graph carries ``meta["autopar"]``: the decision behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+aten = torch.ops.aten
+
+# Ops through which a partial sum stays a partial sum: sum_i f(x_i) = f(sum_i x_i).
+_KEEPS_PARTIAL = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.t.default, aten.permute.default, aten.clone.default, aten._to_copy.default,
+    aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default,
+    aten.detach.default, aten.neg.default,
+}
+_MERGING_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
+_LOSS_PLAIN_ARGS = {aten.nll_loss_forward.default: (1,), aten.nll_loss_backward.default: (2, 6)}
+_PARALLEL_LOSS = {aten._log_softmax.default, aten.nll_loss_forward.default,
+                  aten._log_softmax_backward_data.default, aten.nll_loss_backward.default}
+_SAME_VALUE = {aten.clone.default, aten.alias.default, aten.detach.default}
+_COLLECTIVE_PREFIX = "_c10d_functional."
+
+
+@dataclass
+class TensorParallelGraph:
+    """The traced per-rank graph and the local shapes of its parameters."""
+
+    gm: fx.GraphModule
+    local_shapes: dict[str, tuple[int, ...]]
+    fallback_ops: list[str]
+
+
+def parse_placement(text: str):
+    """``"Shard(1)"`` / ``"Replicate()"`` (the Plan's spelling) -> a DTensor placement."""
+    text = text.strip()
+    if text.startswith("Shard(") and text.endswith(")"):
+        return Shard(int(text[len("Shard("):-1]))
+    if text in ("Replicate()", "Replicate"):
+        return Replicate()
+    raise ValueError(f"placement {text!r} is not executable on the TP axis (Shard(d) or Replicate())")
+
+
+def apply_tensor_parallel(
+    gm: fx.GraphModule,
+    inputs: Sequence[tuple[str, str]],
+    shapes: Sequence[tuple[int, ...]],
+    param_placements: dict[str, object],
+    mesh: DeviceMesh,
+    sequence_parallel: bool,
+    grad_outputs: dict[int, str],
+    loss_index: int,
+) -> TensorParallelGraph:
+    """Trace ``gm`` (global shapes) into the graph one TP rank of ``mesh`` (1-D) runs.
+
+    inputs: (kind, name) per placeholder, kind param | buffer | input | tangent;
+    shapes: the placeholders' global shapes; param_placements: parameter -> TP placement
+    (absent: replicated); grad_outputs: output index -> parameter whose gradient it is.
+    The traced graph keeps the placeholder and output order of ``gm``.
+    """
+    _register_cpu_attention()
+    t = mesh.size()
+    placements = []
+    for (kind, name), shape in zip(inputs, shapes):
+        p = param_placements.get(name, Replicate()) if kind == "param" else Replicate()
+        if isinstance(p, Shard) and shape[p.dim] % t:
+            raise ValueError(f"{name} {tuple(shape)}: dim {p.dim} does not divide by the TP degree {t}")
+        placements.append(p)
+    local_shapes = [_local_shape(shape, p, t) for shape, p in zip(shapes, placements)]
+    ids = next(shape for (kind, _), shape in zip(inputs, shapes) if kind == "input")
+    tokens = (ids[0], ids[1] if len(ids) > 1 else 1)
+    interp = _Interpreter(gm, mesh, placements, shapes, sequence_parallel, tokens, grad_outputs,
+                          {i: param_placements.get(n, Replicate()) for i, n in grad_outputs.items()},
+                          loss_index)
+
+    dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = [torch.empty(s, dtype=d) for s, d in zip(local_shapes, dtypes)]
+    # vocab-sharded logits: log-softmax and the loss run sharded (Megatron's parallel cross-entropy)
+    with fx_traceback.preserve_node_meta(), torch.no_grad(), loss_parallel():
+        traced = make_fx(interp.run, tracing_mode="fake")(*examples)
+    for node in traced.graph.nodes:
+        reason = node.meta.get("custom", {}).get("autopar")
+        if reason and str(node.target).startswith(_COLLECTIVE_PREFIX):
+            node.meta["autopar"] = reason
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    named = {name: tuple(s) for (kind, name), s in zip(inputs, local_shapes) if kind == "param"}
+    return TensorParallelGraph(traced, named, sorted(interp.fallback_ops))
+
+
+def _local_shape(shape, placement, t: int) -> tuple[int, ...]:
+    shape = list(shape)
+    if isinstance(placement, Shard):
+        shape[placement.dim] //= t
+    return tuple(shape)
+
+
+class _Interpreter:
+    """Runs the global joint graph on DTensors, making the plan's redistributions explicit."""
+
+    def __init__(self, gm, mesh, placements, shapes, sp, tokens, grad_outputs, grad_placements, loss_index):
+        self.gm = gm
+        self.tokens = tokens  # (batch, seq) of this rank's inputs
+        self.mesh = mesh
+        self.placements = placements
+        self.shapes = shapes
+        self.sp = sp
+        self.grad_outputs = grad_outputs
+        self.grad_placements = grad_placements
+        self.loss_index = loss_index
+        self.fallback_ops: set[str] = set()
+        self.gathered: dict[fx.Node, DTensor] = {}
+        # weights and what is read straight from them (transposes, casts, views)
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.weights = {n for n, p in zip(holders, placements) if isinstance(p, Shard)}
+        for n in gm.graph.nodes:
+            if n.target in _KEEPS_PARTIAL and n.all_input_nodes and n.all_input_nodes[0] in self.weights \
+                    and len(n.all_input_nodes) == 1:
+                self.weights.add(n)
+
+    def run(self, *local_args):
+        env: dict[fx.Node, object] = {}
+        holders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for node, arg, placement, shape in zip(holders, local_args, self.placements, self.shapes):
+            env[node] = DTensor.from_local(arg, self.mesh, [placement], run_check=False,
+                                           shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function":
+                env[node] = self._call(node, env)
+            elif node.op == "get_attr":
+                env[node] = _tree_wrap(getattr(self.gm, node.target), self.mesh)
+            elif node.op == "output":
+                return self._outputs(node, env)
+        raise AssertionError("graph without output")
+
+    def _call(self, node: fx.Node, env):
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        if node.target is operator.getitem:
+            return args[0][args[1]]
+        if node.target not in _KEEPS_PARTIAL and not _partial_sum(node, args):
+            args = self._reduce_partials(node, args, env)
+        if self.sp and node.target in _MERGING_VIEWS:
+            args = self._gather_merged_sequence(node, args)
+        if node.target in _MATMULS and self.sp:
+            args = self._gather_column_input(node, args)
+        if node.target in _LOSS_PLAIN_ARGS:  # loss_parallel wants labels and weights plain
+            args = tuple(a.to_local() if i in _LOSS_PLAIN_ARGS[node.target] and isinstance(a, DTensor)
+                         and a.placements[0] == Replicate() else a for i, a in enumerate(args))
+        try:
+            why = (f"TP: {node} ({_op_name(node)}) cannot run on its inputs' placements; "
+                   "DTensor redistributes them")
+            if node.target in _PARALLEL_LOSS:
+                why = (f"TP: parallel cross-entropy over the vocabulary-sharded logits ({node}: "
+                       "max, sum of exponentials and target logit summed over TP ranks)")
+            with _why(why):
+                out = node.target(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            if not _no_strategy(exc):
+                raise
+            return self._replicated(node, args, kwargs, exc)
+        return _tree_wrap(out, self.mesh)  # factories (arange, ...) give every rank the same
+
+    def _reduce_partials(self, node, args, env):
+        def reduce(x, arg_node):
+            if not isinstance(x, DTensor) or not any(p.is_partial() for p in x.placements):
+                return x
+            if not isinstance(arg_node, fx.Node):
+                raise AssertionError(f"a partial sum outside the graph's values at {node}")
+            target, how = Replicate(), "all-reduce"
+            seq = _sequence_dim(x, *self.tokens)
+            if self.sp and seq is not None and x.shape[seq] % self.mesh.size() == 0:
+                target, how = Shard(seq), "reduce-scatter onto the sequence (SP)"
+            with _why(f"TP: {how} the partial sums of {arg_node} (row-/vocab-parallel output) "
+                      f"before {_op_name(node)}"):
+                env[arg_node] = x.redistribute(self.mesh, [target])  # once, for every consumer
+            return env[arg_node]
+
+        return _map_with_nodes(node.args, args, reduce)
+
+    def _gather_merged_sequence(self, node, args):
+        """[b, s/t, h] -> [b*s, h] (before a matmul): Megatron-SP gathers the sequence here,
+        once per tensor (q, k and v, or the backward's two matmuls, share it)."""
+        x, arg_node = args[0], _root(node.args[0])
+        if not isinstance(x, DTensor) or _sequence_dim(x, *self.tokens) != 1 or x.placements[0] != Shard(1):
+            return args
+        shape = list(args[1])
+        if len(shape) >= 3 and shape[1] == x.shape[1]:
+            return args  # the sequence dim survives the view: stay sharded
+        if arg_node not in self.gathered:
+            with _why(f"TP+SP: all-gather the sequence of {arg_node} (Megatron-SP, before the "
+                      "tensor-parallel matmul)"):
+                self.gathered[arg_node] = x.redistribute(self.mesh, [Replicate()])
+        return (self.gathered[arg_node], *args[1:])
+
+    def _gather_column_input(self, node, args):
+        """A matmul with a sharded weight operand needs its activation whole (SP all-gather)."""
+        weights = [a for a, n in zip(args, node.args) if isinstance(n, fx.Node) and n in self.weights]
+        if not any(isinstance(p, Shard) for w in weights for p in w.placements):
+            return args
+
+        def gather(x, arg_node):
+            if not isinstance(x, DTensor) or arg_node in self.weights or x.placements[0] == Replicate():
+                return x
+            arg_node = _root(arg_node)
+            if not isinstance(x.placements[0], Shard) or x.placements[0].dim != _sequence_dim(x, *self.tokens):
+                return x
+            if arg_node not in self.gathered:  # q, k and v share one gathered input
+                with _why(f"TP+SP: all-gather the sequence of {arg_node} for the column-parallel {node}"):
+                    self.gathered[arg_node] = x.redistribute(self.mesh, [Replicate()])
+            return self.gathered[arg_node]
+
+        return _map_with_nodes(node.args, args, gather)
+
+    def _replicated(self, node, args, kwargs, exc):
+        """No strategy shards this op: gather its inputs and run it whole on every rank."""
+        op = str(node.target)
+        if op not in self.fallback_ops:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            warnings.warn(f"autopar: {op} ({node}) cannot run on its inputs' TP shards ({first_line}): "
+                          "it runs replicated on every TP rank, its inputs gathered", stacklevel=2)
+        self.fallback_ops.add(op)
+
+        def whole(x, arg_node):
+            if not isinstance(x, DTensor):
+                return x
+            if any(p != Replicate() for p in x.placements):
+                with _why(f"TP: gather {arg_node} for {op}, which has no sharding strategy"):
+                    x = x.redistribute(self.mesh, [Replicate()])
+            return x.to_local()
+
+        local_args = _map_with_nodes(node.args, args, whole)
+        local_kwargs = {k: whole(v, k) for k, v in kwargs.items()}
+        out = node.target(*local_args, **local_kwargs)
+        return _tree_wrap(out, self.mesh)
+
+    def _outputs(self, node, env):
+        outs = []
+        for index, arg in enumerate(node.args[0]):
+            value = env[arg] if isinstance(arg, fx.Node) else arg
+            if isinstance(value, DTensor):
+                want = self.grad_placements.get(index, Replicate())
+                if list(value.placements) != [want]:
+                    what = (f"the gradient of {self.grad_outputs[index]}" if index in self.grad_outputs
+                            else "the loss" if index == self.loss_index else f"output {index}")
+                    verb = "all-reduce" if value.placements[0].is_partial() and want == Replicate() else \
+                        "reduce-scatter" if value.placements[0].is_partial() else "redistribute"
+                    with _why(f"TP: {verb} {what} to its placement {want}"):
+                        value = value.redistribute(self.mesh, [want])
+                value = value.to_local()
+            outs.append(value)
+        return tuple(outs)
+
+
+def _partial_sum(node, args) -> bool:
+    """add/sub of partial sums, or a partial sum scaled by a constant, stays partial."""
+    tensors = [a for a in args if isinstance(a, DTensor)]
+    if not tensors:
+        return True
+    partial = [any(p.is_partial() for p in a.placements) for a in tensors]
+    if node.target in (aten.add.Tensor, aten.sub.Tensor) and all(partial):
+        return all(type(a.placements[0]) is Partial for a in tensors)
+    if node.target in (aten.mul.Tensor, aten.div.Tensor) and len(tensors) == 1:
+        return type(tensors[0].placements[0]) is Partial and node.target is aten.mul.Tensor
+    return False
+
+
+def _no_strategy(exc: Exception) -> bool:
+    """DTensor's ways of saying an op cannot run on these placements."""
+    text = str(exc)
+    return any(k in text for k in ("sharding strategy", "not supported", "Sharding propagation failed",
+                                   "Cannot unflatten", "redistribute the tensor before"))
+
+
+def _root(node):
+    """Clones and aliases hold the same values as their source: gather the source once."""
+    while isinstance(node, fx.Node) and node.target in _SAME_VALUE:
+        node = node.args[0]
+    return node
+
+
+def _op_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _sequence_dim(x, batch: int, seq: int) -> int | None:
+    """The sequence dim of an activation: [batch, seq, ...] or [batch * seq, ...]; else None."""
+    if x.ndim >= 3 and x.shape[0] == batch and x.shape[1] == seq:
+        return 1
+    if x.ndim == 2 and x.shape[0] == batch * seq:
+        return 0
+    return None
+
+
+def _map_with_nodes(arg_nodes, values, fn):
+    return tuple(fn(v, n) for v, n in zip(values, arg_nodes))
+
+
+def _tree_wrap(out, mesh):
+    if isinstance(out, DTensor):
+        return out
+    if isinstance(out, torch.Tensor):
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_tree_wrap(o, mesh) for o in out)
+    return out
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@contextlib.contextmanager
+def _why(reason: str):
+    """Tag every node traced inside with the plan decision that put it there."""
+    with fx_traceback.annotate({"autopar": reason}):
+        yield
+
+
+_ATTENTION_REGISTERED = False
+
+
+def _register_cpu_attention() -> None:
+    """CPU flash attention has no DTensor strategy: heads (and batch) shard independently."""
+    global _ATTENTION_REGISTERED
+    if _ATTENTION_REGISTERED:
+        return
+    _ATTENTION_REGISTERED = True
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def _attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        out = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None])]
+        for dim in (0, 1):  # batch, heads
+            out.append(([Shard(dim), Shard(dim)], [Shard(dim), Shard(dim), Shard(dim), None, None]))
+        return out
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def _attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                            attn_mask=None, scale=None):
+        rep = [Replicate()] * 6 + [None, None]
+        strategies = [([Replicate()] * 3, rep)]
+        for dim in (0, 1):
+            strategies.append(([Shard(dim)] * 3, [Shard(dim)] * 6 + [None, None]))
+        return strategies
