@@ -21,7 +21,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from torch.distributed.tensor import Shard
 
 from runtime.launch import spawn
@@ -184,6 +183,12 @@ def _errors_worker(rank: int, world: int) -> list[str]:
     gathers = sum("all_gather" in line for line in collectives)
     reductions = sum("reduce_scatter" in line or "all_reduce" in line for line in collectives)
     seen.append((gathers, reductions, n_params))
+    tp = parallelize(model, world, example_inputs=batch,
+                     layout=autopar.Layout(tp=world, sp=True, microbatch=4, precision="fp32"))
+    lines = [line for line in tp.dump_graph().splitlines()
+             if "_c10d_functional" in line and "wait_tensor" not in line]
+    seen.append(("tp", len(lines), all("# TP" in line for line in lines),
+                 sum("reduce_scatter" in line for line in lines), sum("all_gather" in line for line in lines)))
     return seen
 
 
@@ -192,9 +197,14 @@ def test_bad_input_and_dump_graph():
     seen = results[0]
     assert seen[:4] == ["mesh", "batch", "pp", "model"]
     assert "uncommented collective" not in seen
-    gathers, reductions, n_params = seen[-1]
+    gathers, reductions, n_params = seen[-2]
     assert gathers == n_params  # tiny-llama: every weight's first dim divides by 2
     assert reductions == n_params + 1  # each gradient, plus the loss
+    _, count, all_tp, scatters, gathers = seen[-1]
+    # TP+SP on 2 blocks: 2 reduce-scatters and 2 gathers per block and pass, plus the embedding's
+    # reduce-scatter and the final norm's gather (forward) / the logits' reduce-scatter (backward)
+    assert all_tp and count > 0
+    assert (scatters, gathers) == (2 * 2 * 2 + 2 + 1, 2 * 2 * 2 + 1)
 
 
 def _checkpoint_worker(rank: int, world: int, path: str) -> bool:
