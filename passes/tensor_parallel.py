@@ -160,7 +160,8 @@ class _Interpreter:
                                            shape=torch.Size(shape), stride=_contiguous_stride(shape))
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
-                env[node] = self._call(node, env)
+                with fx_traceback.set_current_meta(node):  # keep partitioner_tag (fwd / bwd)
+                    env[node] = self._call(node, env)
             elif node.op == "get_attr":
                 env[node] = _tree_wrap(getattr(self.gm, node.target), self.mesh)
             elif node.op == "output":
