@@ -58,7 +58,7 @@ class _JointStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         scale = grad_loss.item()  # the loss is a scalar: 1 for a plain loss.backward()
-        scaled = [None if g is None else g * scale for g in ctx.grads]
+        scaled = ctx.grads if scale == 1.0 else [None if g is None else g * scale for g in ctx.grads]
         ctx.grads = None  # free them: one backward per step
         return (None, None, None, None, *scaled)
 

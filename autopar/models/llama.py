@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v),
                                            is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))  # -1: local heads under hand-written TP
 
 
 class SwiGLU(nn.Module):
