@@ -22,11 +22,15 @@ import torch
 from autopar.report import fmt_time, json_ready, table
 from runtime.launch import spawn
 
+
 def _layouts(world: int) -> dict[str, dict | None]:
-    half = world // 2
-    return {"DP": {"dp": world}, "ZeRO-1": {"dp": world, "zero": 1}, "ZeRO-2": {"dp": world, "zero": 2},
-            "ZeRO-3": {"dp": world, "zero": 3}, "TP+SP": {"tp": world, "sp": True},
-            "DP x TP": {"dp": 2, "tp": half}, "solver": None}
+    layouts: dict[str, dict | None] = {
+        "DP": {"dp": world}, "ZeRO-1": {"dp": world, "zero": 1}, "ZeRO-2": {"dp": world, "zero": 2},
+        "ZeRO-3": {"dp": world, "zero": 3}, "TP+SP": {"tp": world, "sp": True}}
+    if world >= 4:  # a real product of both axes
+        layouts["DP x TP"] = {"dp": 2, "tp": world // 2}
+    layouts["solver"] = None
+    return layouts
 
 
 def _time_pair(steps: list, warmup: int, repeat: int) -> list[float]:

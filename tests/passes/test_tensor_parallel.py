@@ -2,7 +2,6 @@
 exactly the collectives the TP recipe implies (Megatron's two per block and direction, the
 SP gathers), each labelled with the decision behind it."""
 
-import collections
 import warnings
 
 import pytest
