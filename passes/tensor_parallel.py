@@ -182,12 +182,12 @@ class _Interpreter:
         if node.target in _LOSS_PLAIN_ARGS:  # loss_parallel wants labels and weights plain
             args = tuple(a.to_local() if i in _LOSS_PLAIN_ARGS[node.target] and isinstance(a, DTensor)
                          and a.placements[0] == Replicate() else a for i, a in enumerate(args))
+        why = (f"TP: {node} ({_op_name(node)}) cannot run on its inputs' placements; "
+               "DTensor redistributes them")
+        if node.target in _PARALLEL_LOSS:
+            why = (f"TP: parallel cross-entropy over the vocabulary-sharded logits ({node}: "
+                   "max, sum of exponentials and target logit summed over TP ranks)")
         try:
-            why = (f"TP: {node} ({_op_name(node)}) cannot run on its inputs' placements; "
-                   "DTensor redistributes them")
-            if node.target in _PARALLEL_LOSS:
-                why = (f"TP: parallel cross-entropy over the vocabulary-sharded logits ({node}: "
-                       "max, sum of exponentials and target logit summed over TP ranks)")
             with _why(why):
                 out = node.target(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as exc:
@@ -222,11 +222,9 @@ class _Interpreter:
         shape = list(args[1])
         if len(shape) >= 3 and shape[1] == x.shape[1]:
             return args  # the sequence dim survives the view: stay sharded
-        if arg_node not in self.gathered:
-            with _why(f"TP+SP: all-gather the sequence of {arg_node} (Megatron-SP, before the "
-                      "tensor-parallel matmul)"):
-                self.gathered[arg_node] = x.redistribute(self.mesh, [Replicate()])
-        return (self.gathered[arg_node], *args[1:])
+        gathered = self._gather_once(x, arg_node, f"TP+SP: all-gather the sequence of {arg_node} "
+                                     "(Megatron-SP, before the tensor-parallel matmul)")
+        return (gathered, *args[1:])
 
     def _gather_column_input(self, node, args):
         """A matmul with a sharded weight operand needs its activation whole (SP all-gather)."""
@@ -240,12 +238,17 @@ class _Interpreter:
             arg_node = _root(arg_node)
             if not isinstance(x.placements[0], Shard) or x.placements[0].dim != _sequence_dim(x, *self.tokens):
                 return x
-            if arg_node not in self.gathered:  # q, k and v share one gathered input
-                with _why(f"TP+SP: all-gather the sequence of {arg_node} for the column-parallel {node}"):
-                    self.gathered[arg_node] = x.redistribute(self.mesh, [Replicate()])
-            return self.gathered[arg_node]
+            return self._gather_once(x, arg_node, f"TP+SP: all-gather the sequence of {arg_node} "
+                                     f"for the column-parallel {node}")
 
         return _map_with_nodes(node.args, args, gather)
+
+    def _gather_once(self, x, root: fx.Node, reason: str):
+        """Replicate ``x`` once per source tensor; later users (q, k and v) share the gather."""
+        if root not in self.gathered:
+            with _why(reason):
+                self.gathered[root] = x.redistribute(self.mesh, [Replicate()])
+        return self.gathered[root]
 
     def _replicated(self, node, args, kwargs, exc):
         """No strategy shards this op: gather its inputs and run it whole on every rank."""
@@ -295,8 +298,8 @@ def _partial_sum(node, args) -> bool:
     partial = [any(p.is_partial() for p in a.placements) for a in tensors]
     if node.target in (aten.add.Tensor, aten.sub.Tensor) and all(partial):
         return all(type(a.placements[0]) is Partial for a in tensors)
-    if node.target in (aten.mul.Tensor, aten.div.Tensor) and len(tensors) == 1:
-        return type(tensors[0].placements[0]) is Partial and node.target is aten.mul.Tensor
+    if node.target is aten.mul.Tensor and len(tensors) == 1:
+        return type(tensors[0].placements[0]) is Partial
     return False
 
 

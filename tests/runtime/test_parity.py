@@ -46,27 +46,7 @@ def _parity_worker(rank: int, world: int) -> list[tuple]:
             batch = models.example_inputs(name, batch=8, seq=16)
             layout = autopar.Layout(dp=world, zero=zero, microbatch=8 // world, precision="fp32")
             pm = parallelize(model, world, example_inputs=batch, layout=layout)
-            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-5)
-            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
-            named_ref = dict(ref.named_parameters())
-            for step in range(3):
-                loss = pm(*batch)
-                loss.backward()
-                ref_loss = ref(*batch)
-                ref_loss.backward()
-                if not _close(loss, ref_loss.detach()):
-                    failures.append((name, zero, step, "loss", loss.item(), ref_loss.item()))
-                for pname, p in pm.named_parameters():
-                    if not _close(p.grad.full_tensor(), named_ref[pname].grad):
-                        failures.append((name, zero, step, f"grad {pname}"))
-                opt.step()
-                ref_opt.step()
-                opt.zero_grad()
-                ref_opt.zero_grad()
-            for pname, p in pm.named_parameters():
-                if not _close(p.full_tensor(), named_ref[pname].detach()):
-                    diff = (p.full_tensor() - named_ref[pname]).abs().max().item()
-                    failures.append((name, zero, "params after 3 AdamW steps", pname, diff))
+            failures += _train_and_compare(pm, ref, batch, (name, f"zero{zero}"))
             if zero >= 1 and not any(isinstance(p.placements[0], Shard) for p in pm.parameters()):
                 failures.append((name, zero, "no parameter is sharded under ZeRO"))
     return failures
