@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -179,50 +182,75 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation; equal values share their average rank."""
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and v[order[end + 1]] == v[order[start]]:
+                end += 1
+            for pos in range(start, end + 1):
+                r[order[pos]] = (start + end) / 2
+            start = end + 1
         return r
 
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    if n < 2:
+    if len(xs) < 2:
         return float("nan")
-    d2 = sum((a - b) ** 2 for a, b in zip(rx, ry))
-    return 1 - 6 * d2 / (n * (n * n - 1))
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
 
 
-def _ensure_calibration(world: int, progress) -> None:
-    """Predictions need this machine's numbers: calibrate (quick) once if nobody has."""
-    import os
+def _per_layout(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """Predicted and measured step time per distinct layout: rows that run the same layout
+    (the solver often picks one of the hand-named ones) count once, their times averaged."""
+    by_layout: dict[str, list[dict]] = {}
+    for row in rows:
+        by_layout.setdefault(row["degrees"], []).append(row)
+    same = list(by_layout.values())
+    return ([statistics.fmean(r["predicted_s"] for r in group) for group in same],
+            [statistics.fmean(r["measured_s"] for r in group) for group in same])
 
-    from cost.calibration import default_calibration_path
 
-    if default_calibration_path().exists():
-        return
+def _calibrate(world: int, progress) -> tuple[dict, Path]:
+    """This machine's numbers, measured now with ``world`` ranks: predictions and measurements
+    then see the same load (a calibration taken while other work ran makes every prediction
+    off by the same unknown factor)."""
     from autopar.calibrate import calibrate
 
-    progress("no calibration of this machine yet: running `autopar calibrate --quick` first")
-    calibrate(world_sizes=(world,), quick=True, progress=lambda _line: None)
-    os.environ.setdefault("AUTOPAR_CALIBRATION", str(default_calibration_path()))
+    progress(f"calibrating this machine with {world} gloo ranks (autopar calibrate) ...")
+    path = Path(tempfile.mkdtemp(prefix="autopar-bench-")) / "calibration.json"
+    return calibrate(world_sizes=(world,), path=path, progress=None), path
 
 
-def run_runtime_bench(quick: bool = False, world: int = 4, progress=print) -> dict:
-    """Measure every executable layout of a small GPT on ``world`` gloo ranks."""
+def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calibration: str | None = None) -> dict:
+    """Measure every executable layout of a small GPT on ``world`` gloo ranks.
+
+    ``calibration``: an `autopar calibrate` file for the predictions; default: calibrate now.
+    """
     from autopar import models
 
     cfg = dataclasses.replace(models.config("tiny-llama"), name="bench-llama", hidden=256, n_heads=8,
                               n_kv_heads=4, ffn=768, n_layers=2 if quick else 4, vocab=2048, max_seq=256)
     batch, seq = (8, 64) if quick else (16, 128)
-    _ensure_calibration(world, progress)
+    if calibration is None:
+        cal, calibration = _calibrate(world, progress)
+    else:
+        cal = json.loads(Path(calibration).read_text())
     progress(f"bench runtime: {cfg.n_layers}-layer GPT (h {cfg.hidden}), batch {batch} x seq {seq}, {world} gloo ranks")
     t0 = time.perf_counter()
-    rows = spawn(_worker, world, args=(cfg, batch, seq, 2, 5 if quick else 7), timeout_s=1800)[0]
-    rho = _spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    rows = spawn(_worker, world, args=(cfg, batch, seq, 2, 5 if quick else 11), timeout_s=1800,
+                 env={"AUTOPAR_CALIBRATION": str(calibration)})[0]
+    predicted, measured = _per_layout(rows)
     return json_ready({"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
-                       "spearman_predicted_vs_measured": rho, "time_s": time.perf_counter() - t0})
+                       "spearman_predicted_vs_measured": _spearman(predicted, measured),
+                       "distinct_layouts": len(predicted), "calibration": cal,
+                       "time_s": time.perf_counter() - t0})
 
 
 def format_runtime_bench(result: dict) -> str:
@@ -232,4 +260,5 @@ def format_runtime_bench(result: dict) -> str:
     head = ["layout", "degrees", "measured", "predicted (Cluster.local)", "hand-written", "autopar / hand"]
     return (f"runtime bench on {result['world']} gloo ranks, batch {result['batch']} x seq {result['seq']}\n"
             + table(head, rows, "llrrrr")
-            + f"\nSpearman rank correlation, predicted vs measured: {result['spearman_predicted_vs_measured']:.2f}")
+            + f"\nSpearman rank correlation, predicted vs measured, over {result['distinct_layouts']} distinct "
+            f"layouts: {result['spearman_predicted_vs_measured']:.2f}")

@@ -116,7 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "runtime":
         from autopar.bench_runtime import format_runtime_bench, run_runtime_bench
 
-        result = run_runtime_bench(quick=args.quick)
+        result = run_runtime_bench(quick=args.quick, calibration=args.calibration)
         print(format_runtime_bench(result))
     elif args.what == "solver":
         from autopar.bench_solver import format_solver_bench, run_solver_bench
@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime"])
     p.add_argument("--quick", action="store_true", help="fewer points")
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
+    p.add_argument("--calibration", help="runtime: predict with this `autopar calibrate` file "
+                   "(default: calibrate now, with the bench's ranks)")
     p.add_argument("--json", help="where to write the results (default results/bench-WHAT.json)")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -160,8 +160,10 @@ def parallelize(
     params = {name: node for (kind, name), node in zip(inputs, holders) if kind == "param"}
     sharded: set[str] = set()
     if lay.dp > 1:
+        seed = next(node for (kind, _), node in zip(inputs, holders) if kind == "tangent")
         sharded = apply_data_parallel(gm, params, grads, loss_index, shapes, lay.zero, lay.dp,
-                                      mesh["dp"].get_group().group_name)
+                                      mesh["dp"].get_group().group_name, seed, _dp_rank(mesh),
+                                      reduce_scatter=device_type != "cpu")
     rank_graph = RankGraph(
         gm=gm,
         inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
@@ -217,9 +219,7 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
             raise InputError(f"this plan is for {plan.layout.world_size} devices "
                              f"({plan.cluster.describe()}) but {world} ranks are running")
         return plan
-    cluster = Cluster.local()
-    if cluster.world_size != world:
-        cluster = Cluster.from_dict({**cluster.to_dict(), "nodes": 1, "gpus_per_node": world})
+    cluster = Cluster.local(ranks=world, threads_per_rank=torch.get_num_threads())
     if layout is not None:
         batch = example_inputs[0].shape[0]
         if batch % layout.dp == 0 and layout.tp == 1:

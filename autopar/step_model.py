@@ -60,6 +60,10 @@ FRAMEWORK_EFFICIENCY = 0.85
 # Optimizer step: reads fp32 master, m, v, the gradient; writes master, m, v and the bf16 weight
 # (AdamW, memory-bound: 4+4+4+4 read + 4+4+4+2 write = 30 bytes per parameter).
 ADAM_BYTES_PER_PARAM = 30.0
+# CPU ranks run torch.optim.AdamW(foreach=True): about ten elementwise passes, not one fused
+# kernel. Calibration run (2026-11-30, dev box): 4.2 M fp32 parameters stepped in 21.3 ms on one
+# thread, where `Cluster.local` gives a rank of 2 13.5 GB/s: 68 bytes per parameter.
+CPU_ADAM_BYTES_PER_PARAM = 68.0
 # fp8 matmuls first cast their bf16 inputs: read 2 bytes, write 1 per element, i.e. 1.5 bytes
 # moved per input byte (torchao's Float8 recipe: a cast kernel per input, tensorwise scales).
 FP8_CAST_BYTES_PER_INPUT_BYTE = 1.5
@@ -479,6 +483,12 @@ def comm_overlap(cluster: Cluster) -> float:
     return 0.0 if cluster.gpu.name.startswith("cpu") else 1.0
 
 
+def zero_reduction(cluster: Cluster) -> str:
+    """The collective that reduces ZeRO's gradients: reduce-scatter, except on CPU ranks, where
+    the runtime all-reduces (gloo's reduce-scatter is no faster: passes/data_parallel.py)."""
+    return "all_reduce" if cluster.gpu.name.startswith("cpu") else "reduce_scatter"
+
+
 def predict(
     facts: StepFacts, cluster: Cluster, layout: Layout, memory: MemoryBreakdown | None = None
 ) -> Prediction:
@@ -561,25 +571,29 @@ def predict(
         group = axis_group(cluster, lay.dp, tp * cp * pp) if cp == 1 else axis_group(cluster, dp_group_size, tp)
         grad_bytes = worst_params * (4.0 if (rec.grad_accum_bytes or lay.precision == "fp32") else rec.grad_bytes)
         weight_bytes = worst_params * rec.param_bytes
+        # blocks gathered one at a time (ZeRO-1/2 once per step, ZeRO-3 for the forward and the
+        # backward of every micro-batch), plus the weights outside the blocks
+        blocks = -(-n_layers // pp) + 1
         if lay.zero == 0:
             sync = collective_time("all_reduce", grad_bytes, group, cluster)
             after = 0.0
         else:
-            sync = collective_time("reduce_scatter", grad_bytes, group, cluster)
-            after = collective_time("all_gather", weight_bytes, group, cluster) if lay.zero < 3 else 0.0
+            sync = collective_time(zero_reduction(cluster), grad_bytes, group, cluster)
+            after = blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster) \
+                if lay.zero < 3 else 0.0
         overlap = comm_overlap(cluster)
         hide = overlap * float(bwd[slowest] + recomp[slowest])
         dp_exposed = max(0.0, sync - hide) + after
         dp_total = sync + after
         if lay.zero == 3:
-            # weights gathered for forward and again for backward, every micro-batch,
-            # prefetched one layer ahead: hidden behind that micro-batch's compute
-            gather = 2 * collective_time("all_gather", weight_bytes, group, cluster)
+            # prefetched one block ahead: hidden behind that micro-batch's compute
+            gather = 2 * blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
             per_mb = overlap * float(fwd[slowest] + bwd[slowest] + recomp[slowest])
             dp_exposed += m * max(0.0, gather - per_mb)
             dp_total += m * gather
     opt_params = worst_params / (dp_group_size if lay.zero >= 1 else 1)
-    optimizer_s = opt_params * ADAM_BYTES_PER_PARAM / bw
+    adam_bytes = CPU_ADAM_BYTES_PER_PARAM if gpu.name.startswith("cpu") else ADAM_BYTES_PER_PARAM
+    optimizer_s = opt_params * adam_bytes / bw
 
     step = pipe_total + dp_exposed + optimizer_s
     tokens = facts.batch * facts.seq
@@ -654,11 +668,32 @@ def _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.n
     fixed = np.bincount(ev_slot, weights=cost * ~(gather_ov | reduce_ov), minlength=slots)
     g = np.bincount(ev_slot, weights=cost * gather_ov, minlength=slots)
     r = np.bincount(ev_slot, weights=cost * reduce_ov, minlength=slots)
-    hide_g = np.bincount(node_slot, weights=times * facts.hides_gather, minlength=slots)
-    hide_r = np.bincount(node_slot, weights=times * facts.hides_reduce, minlength=slots)
+    overlap = comm_overlap(cluster)
+    hide_g = overlap * np.bincount(node_slot, weights=times * facts.hides_gather, minlength=slots)
+    hide_r = overlap * np.bincount(node_slot, weights=times * facts.hides_reduce, minlength=slots)
     exposed = fixed + np.maximum(0.0, g - hide_g) + np.maximum(0.0, r - hide_r)
+    exposed += _tp_small_collectives(facts, cluster, lay, scale, n_layers, group)
     slot_stage = _stage_of(np.arange(slots) - 1, n_layers, pp)
     return np.bincount(slot_stage, weights=exposed, minlength=pp)
+
+
+def _tp_small_collectives(facts, cluster, lay, scale, n_layers, group) -> np.ndarray:
+    """TP collectives outside the recipe's activation events, per slot (as the TP pass emits
+    them): under SP a replicated weight (a norm) sees only its sequence shard, so its gradient
+    is all-reduced over TP; a vocabulary-parallel loss all-reduces the logits' max, the sum of
+    exponentials and the target logit (one value per token each). Latency-bound: negligible
+    on NVLink, milliseconds on gloo."""
+    out = np.zeros(n_layers + 2)
+    for name, sharded in facts.param_tp_sharded.items():
+        layers = facts.param_stages_layer.get(name) or []
+        if lay.sp and layers and not sharded and not facts.param_expert.get(name):
+            nbytes = facts.param_numel[name] * facts.param_dtype_bytes.get(name, 4)
+            out[min(max(layers), n_layers) + 1] += collective_time("all_reduce", nbytes, group, cluster)
+    head = [p for p, layers in facts.param_stages_layer.items() if layers and max(layers) >= n_layers]
+    if any(facts.param_tp_sharded.get(p) for p in head):
+        token_bytes = 4.0 * facts.batch * facts.seq * scale / lay.cp
+        out[n_layers + 1] += 3 * collective_time("all_reduce", token_bytes, group, cluster)
+    return out
 
 
 def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:

@@ -291,12 +291,17 @@ class Cluster:
         return bool(self.busbw_curves)
 
     @classmethod
-    def local(cls, path: str | os.PathLike | None = None) -> Cluster:
+    def local(cls, path: str | os.PathLike | None = None, ranks: int | None = None,
+              threads_per_rank: int | None = None) -> Cluster:
         """This machine, from ``autopar calibrate``'s file ($AUTOPAR_CALIBRATION or
         ``~/.cache/autopar/calibration.json``); without one, a CPU placeholder and a warning.
 
         Local ranks are processes on one host, so the cluster is one node whose "GPUs" are the
-        ranks; each rank's memory is the host's RAM divided among them.
+        ranks; each rank's memory is the host's RAM divided among them, and each rank's compute
+        is its share of the host's cores (`rank_share`). ``ranks`` defaults to the world size
+        the collectives were calibrated with; ``threads_per_rank`` to 1 when several ranks
+        share the host (torchrun and autopar's spawn set OMP_NUM_THREADS=1), else the
+        calibration's thread count.
         """
         source = Path(path) if path is not None else default_calibration_path()
         if not source.exists():
@@ -305,23 +310,28 @@ class Cluster:
                 "`autopar calibrate` to measure this machine (or set $AUTOPAR_CALIBRATION).",
                 stacklevel=2,
             )
-            ranks = min(os.cpu_count() or 1, 4)  # local tests use 2-4 gloo ranks
+            ranks = ranks or min(os.cpu_count() or 1, 4)  # local tests use 2-4 gloo ranks
             spec = GPUS["cpu"]
             spec = GPUSpec(**{**spec.to_dict(), "memory_bytes": _host_memory_bytes() / ranks})
             return cls("cpu", nodes=1, gpus_per_node=ranks, gpu=spec)._renamed("local")
         cal = load_calibration(source)
-        ranks = cal.world_size
+        ranks = ranks or cal.world_size
         memory = cal.memory_bytes if cal.memory_bytes is not None else _host_memory_bytes()
         where = f"`autopar calibrate` on {cal.host or 'this host'} {cal.date} ({source})"
+        threads = cal.extra.get("raw", {}).get("threads", {})
+        share, busy = 1.0, 1.0  # files without thread counts: each rank gets the measured rate
+        if threads.get("intra_op") and threads.get("cpu_count"):
+            per_rank = threads_per_rank or (1 if ranks > 1 else threads["intra_op"])
+            share, busy = rank_share(threads["intra_op"], threads["cpu_count"], ranks, per_rank)
         spec = GPUSpec(
             name="cpu-local",
-            peak_flops=dict(cal.matmul_flops),
+            peak_flops={k: v * share for k, v in cal.matmul_flops.items()},
             memory_bytes=memory / ranks,
-            memory_bw=cal.memory_bw,
+            memory_bw=cal.memory_bw * share,
             matmul_efficiency=1.0,  # measured rates are achieved rates already
             memory_efficiency=1.0,
-            kernel_floor_s=cal.kernel_floor_s,
-            source=f"measured by {where}",
+            kernel_floor_s=cal.kernel_floor_s * busy,
+            source=f"measured by {where}; each of {ranks} ranks gets {share:.2f} of the measured rates",
         )
         fits = dict(cal.collectives)
         best = max((f.busbw for f in fits.values()), default=CPU_LOOPBACK.bandwidth)
@@ -415,3 +425,17 @@ def _host_memory_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return GPUS["cpu"].memory_bytes
+
+
+def rank_share(threads: int, cores: int, ranks: int, threads_per_rank: int) -> tuple[float, float]:
+    """What one of ``ranks`` processes on a host of ``cores`` cores gets of rates calibrated by
+    one process with ``threads`` threads: (rate factor, slow-down of single-threaded work).
+
+    A rank runs ``threads_per_rank`` threads but the ranks time-share the cores, so it gets
+    min(threads_per_rank, cores / ranks) cores at the calibrated per-thread rate. Memory
+    bandwidth is shared the same way. Measured on the 2-core dev box (2026-11-30, 4-layer h256
+    Llama step, batch 4x128 per rank): 196 ms alone on one thread, 440 ms with 4 ranks running
+    at once (model: 2 x 196 = 392 ms); calibrated 2-thread matmul 182 GFLOP/s, 1 thread 92.
+    """
+    cores_per_rank = min(float(threads_per_rank), cores / ranks)
+    return cores_per_rank / threads, max(1.0, ranks * threads_per_rank / cores)

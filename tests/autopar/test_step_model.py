@@ -121,3 +121,23 @@ def test_layout_validates_its_own_fields():
         Layout(pp=4, grad_accum=2)
     with pytest.raises(LayoutError, match="schedule"):
         Layout(schedule="gpipe-ish")
+
+
+def test_cpu_ranks_expose_all_communication(llama_step):
+    """CPU ranks hide nothing behind compute (gloo shares their cores): TP collectives cost what
+    they take, and under SP the norms' gradient all-reduces and the parallel loss's three
+    all-reduces (latency-bound) are priced as well."""
+    from autopar.step_model import _tp_small_collectives, axis_group, collective_time
+
+    facts = llama_step[3].facts()
+    cpu = Cluster("cpu", nodes=1, gpus_per_node=4)
+    lay = Layout(tp=4, sp=True, microbatch=facts.batch, precision="fp32")
+    group = axis_group(cpu, 4, 1)
+    small = _tp_small_collectives(facts, cpu, lay, 1.0, facts.n_layers, group)
+    replicated = [p for p, sharded in facts.param_tp_sharded.items() if not sharded]
+    assert len(replicated) == 2 * facts.n_layers + 1  # two norms per block and the final one
+    assert small.sum() > 3 * collective_time("all_reduce", 4.0 * facts.batch * facts.seq, group, cpu)
+    no_sp = Layout(tp=4, microbatch=facts.batch, precision="fp32")
+    assert _tp_small_collectives(facts, cpu, no_sp, 1.0, facts.n_layers, group).sum() < small.sum()
+    cpu_tp = predict(facts, cpu, lay).time_breakdown["tp_comm_s"]
+    assert cpu_tp >= small.sum()

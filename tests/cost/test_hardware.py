@@ -115,6 +115,23 @@ def test_local_from_calibration(tmp_path, monkeypatch):
     assert Cluster.from_dict(c.to_dict()) == c
 
 
+def test_local_ranks_share_the_cores(tmp_path, monkeypatch):
+    data = {
+        "version": 1, "world_size": 2, "matmul_flops": {"fp32": 2e11}, "memory_bw": 2e10,
+        "kernel_floor_s": 2e-6, "collectives": {"all_reduce": {"latency_s": 1e-3, "busbw": 1e9}},
+        "raw": {"threads": {"intra_op": 2, "cpu_count": 2}},  # measured with 2 threads on 2 cores
+    }
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(save_calibration(data, tmp_path / "cal.json")))
+    alone = Cluster.local(ranks=1)
+    assert alone.gpu.peak("fp32") == 2e11 and alone.gpu.kernel_floor_s == 2e-6
+    two = Cluster.local()  # the calibration's 2 ranks, one thread each: one core each
+    assert two.gpus_per_node == 2 and two.gpu.peak("fp32") == pytest.approx(1e11)
+    four = Cluster.local(ranks=4)  # half a core each; tiny ops wait their turn as well
+    assert four.gpus_per_node == 4 and four.gpu.peak("fp32") == pytest.approx(5e10)
+    assert four.gpu.memory_bw == pytest.approx(5e9) and four.gpu.kernel_floor_s == pytest.approx(4e-6)
+    assert "0.25" in four.gpu.source
+
+
 def test_calibration_rejects_bad_files(tmp_path):
     with pytest.raises(ValueError, match="version"):
         Calibration.from_dict({"version": 2})

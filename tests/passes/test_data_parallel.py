@@ -1,0 +1,63 @@
+"""The data-parallel pass alone, on 2 gloo ranks: the graph it writes gives every rank the
+gradients of the global batch (its rows under ZeRO), whichever collective reduces them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime.launch import spawn
+
+
+def _run_pass_worker(rank: int, world: int, zero: int) -> list[str]:
+    import torch.distributed as dist
+
+    from autopar import models
+    from autopar.capture import capture
+    from passes.data_parallel import apply_data_parallel
+
+    model = models.build("tiny-llama", seed=0)
+    batch = models.example_inputs("tiny-llama", batch=4, seq=16)
+    expected = capture(model, batch).run(dict(model.named_parameters()), *batch)[1]
+    local = tuple(x.chunk(world)[rank] for x in batch)
+    graph = capture(model, local)
+    holders = {i.node: i for i in graph.inputs}
+    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
+    grads = {o.name: o.index for o in graph.outputs if o.kind == "grad"}
+    loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
+    seed = next(i.node for i in graph.inputs if i.kind == "tangent")
+    weights = dict(model.named_parameters())
+    problems = []
+    for reduce_scatter in (True, False):
+        gm = copy.deepcopy(graph.gm)
+        sharded = apply_data_parallel(gm, params, grads, loss_index, dict(graph.param_shapes), zero, world,
+                                      dist.group.WORLD.group_name, seed, rank, reduce_scatter=reduce_scatter)
+        args = []
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            item = holders[node.name]
+            if item.kind == "param":
+                w = weights[item.name].detach()
+                args.append(w.chunk(world)[rank] if item.name in sharded else w)
+            elif item.kind == "input":
+                args.append(local[int(item.name[len("input"):])])
+            else:
+                args.append(torch.ones(()))
+        with torch.no_grad():
+            out = gm(*args)
+        if zero and not sharded:
+            problems.append("nothing sharded")
+        for name, index in grads.items():
+            want = expected[name].chunk(world)[rank] if name in sharded else expected[name]
+            if not torch.allclose(out[index], want, rtol=1e-5, atol=1e-6):
+                problems.append(f"reduce_scatter={reduce_scatter}: gradient of {name}")
+    return problems
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_pass_gives_the_global_batch_gradients(zero):
+    for problems in spawn(_run_pass_worker, 2, args=(zero,), timeout_s=240):
+        assert problems == []
