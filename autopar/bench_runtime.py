@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -238,14 +239,19 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
     cfg = dataclasses.replace(models.config("tiny-llama"), name="bench-llama", hidden=256, n_heads=8,
                               n_kv_heads=4, ffn=768, n_layers=2 if quick else 4, vocab=2048, max_seq=256)
     batch, seq = (8, 64) if quick else (16, 128)
-    if calibration is None:
+    measured_now = calibration is None
+    if measured_now:
         cal, calibration = _calibrate(world, progress)
     else:
         cal = json.loads(Path(calibration).read_text())
     progress(f"bench runtime: {cfg.n_layers}-layer GPT (h {cfg.hidden}), batch {batch} x seq {seq}, {world} gloo ranks")
     t0 = time.perf_counter()
-    rows = spawn(_worker, world, args=(cfg, batch, seq, 2, 5 if quick else 11), timeout_s=1800,
-                 env={"AUTOPAR_CALIBRATION": str(calibration)})[0]
+    try:
+        rows = spawn(_worker, world, args=(cfg, batch, seq, 2, 5 if quick else 11), timeout_s=1800,
+                     env={"AUTOPAR_CALIBRATION": str(calibration)})[0]
+    finally:
+        if measured_now:  # its numbers are kept in the result
+            shutil.rmtree(Path(calibration).parent, ignore_errors=True)
     predicted, measured = _per_layout(rows)
     return json_ready({"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
                        "spearman_predicted_vs_measured": _spearman(predicted, measured),

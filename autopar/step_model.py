@@ -473,7 +473,8 @@ def predict_memory(facts: StepFacts, cluster: Cluster, layout: Layout, check: bo
 
 
 def comm_overlap(cluster: Cluster) -> float:
-    """Fraction of data-parallel communication that can hide behind compute.
+    """Fraction of communication that can hide behind compute (data-parallel syncs and
+    gathers, and the TP collectives Megatron overlaps with matmuls).
 
     GPUs: 1 (NCCL runs on its own SMs and copy engines while kernels run; FSDP/DDP overlap).
     CPU ranks: 0, measured: gloo's transport runs on the cores that compute, and on this 2-core
@@ -634,7 +635,8 @@ def predict(
 
 def _tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.ndarray:
     """Exposed TP communication per pipeline stage for one micro-batch (memoised)."""
-    key = ("tp_exposed", cluster.describe(), lay.tp, lay.cp, lay.sp, lay.microbatch, lay.precision, pp, facts.batch)
+    key = ("tp_exposed", cluster.describe(), tuple(sorted(cluster.gpu.peak_flops.items())), cluster.gpu.memory_bw,
+           cluster.gpu.kernel_floor_s, lay.tp, lay.cp, lay.sp, lay.microbatch, lay.precision, pp, facts.batch)
     if key not in facts._memo:
         facts._memo[key] = _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp)
     return facts._memo[key]

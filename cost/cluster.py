@@ -334,6 +334,14 @@ class Cluster:
             source=f"measured by {where}; each of {ranks} ranks gets {share:.2f} of the measured rates",
         )
         fits = dict(cal.collectives)
+        if ranks != cal.world_size:
+            # `cost.comm.latency` reads a fit as measured at gpus_per_node ranks: re-express the
+            # measured latencies at this many ranks (scaled by ring steps, as comm does)
+            from .comm import _ring_steps
+
+            fits = {kind: CollectiveFit(f.latency_s * _ring_steps(kind, ranks, 1)[0]
+                                        / max(1, _ring_steps(kind, cal.world_size, 1)[0]), f.busbw)
+                    for kind, f in fits.items()}
         best = max((f.busbw for f in fits.values()), default=CPU_LOOPBACK.bandwidth)
         ref = fits.get("all_reduce") or next(iter(fits.values()), None)
         # One ring hop of the reference fit: all-reduce has 2(n-1) hops.
@@ -432,10 +440,11 @@ def rank_share(threads: int, cores: int, ranks: int, threads_per_rank: int) -> t
     one process with ``threads`` threads: (rate factor, slow-down of single-threaded work).
 
     A rank runs ``threads_per_rank`` threads but the ranks time-share the cores, so it gets
-    min(threads_per_rank, cores / ranks) cores at the calibrated per-thread rate. Memory
+    min(threads_per_rank, cores / ranks) cores at the calibrated per-core rate (the rate over
+    min(threads, cores) busy cores; ``cores`` as os.cpu_count() reports them). Memory
     bandwidth is shared the same way. Measured on the 2-core dev box (2026-11-30, 4-layer h256
     Llama step, batch 4x128 per rank): 196 ms alone on one thread, 440 ms with 4 ranks running
     at once (model: 2 x 196 = 392 ms); calibrated 2-thread matmul 182 GFLOP/s, 1 thread 92.
     """
     cores_per_rank = min(float(threads_per_rank), cores / ranks)
-    return cores_per_rank / threads, max(1.0, ranks * threads_per_rank / cores)
+    return cores_per_rank / min(threads, cores), max(1.0, ranks * threads_per_rank / cores)

@@ -78,16 +78,15 @@ def apply_data_parallel(
     placeholder of the loss's seed gradient (scaled by 1/n: the gradients become means); rank:
     this rank's index in the group. reduce_scatter: ZeRO reduces gradients with reduce-scatter;
     False reduces them with an all-reduce and keeps the rank's rows, the faster way on gloo
-    (its reduce-scatter takes as long as an all-reduce of the same tensor, 38 vs 31 ms for
-    17 MB on 4 ranks of the dev box, and its issue call copied the input synchronously, up to
-    100 ms inside a training step, 2026-11-30).
+    (its reduce-scatter is slower than an all-reduce of the same tensor, 38 vs 31 ms for 17 MB
+    on 4 ranks of the dev box, and its issue call copied the input synchronously, up to 100 ms
+    inside a training step, 2026-11-30).
     Returns the names of the parameters that are sharded (ZeRO >= 1 and divisible).
     """
     graph = gm.graph
     n = group_size
     nodes = {node.name: node for node in graph.nodes}
     output = next(node for node in graph.nodes if node.op == "output")
-    outs = list(output.args[0])
     sharded = {p for p in params if zero >= 1 and shardable(shapes[p], n)}
 
     last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
@@ -95,6 +94,7 @@ def apply_data_parallel(
         scaled = _node(graph, aten.mul.Tensor, (nodes[seed], 1.0 / n),
                        f"DP: seed gradient / {n}, so that the summed gradients are the mean")
     nodes[seed].replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    outs = list(output.args[0])
 
     # weights: the graph input becomes rank i's rows; gather them before use
     order = sorted(sharded, key=lambda p: list(params).index(p))
@@ -155,12 +155,13 @@ def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.No
     forward's gathered weights for the backward."""
     phases = ("forward", "backward") if zero == 3 else ("forward and backward",)
     for phase in phases:
-        users_by_block: dict[str, dict[str, list[fx.Node]]] = {}
+        users_by_block: dict[tuple, dict[str, list[fx.Node]]] = {}
         for name in order:
             users = [u for u in shards[name].users if phase not in ("forward", "backward")
                      or _is_backward(u) == (phase == "backward")]
-            if users:
-                users_by_block.setdefault(_block_of(name), {})[name] = users
+            if users:  # one gather per block and dtype: a concatenation must not promote
+                key = (_block_of(name), shards[name].meta["val"].dtype)
+                users_by_block.setdefault(key, {})[name] = users
         position = {node: i for i, node in enumerate(graph.nodes)}
         firsts = {block: min((u for us in users.values() for u in us), key=position.__getitem__)
                   for block, users in users_by_block.items()}
@@ -169,7 +170,7 @@ def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.No
             users = users_by_block[block]
             issue_at = firsts[blocks[k - 1]] if k else firsts[block]  # prefetch one block ahead
             _gather_bucket(graph, list(users), shards, users, issue_at, firsts[block], n, group_name,
-                           f"ZeRO-{zero}: gather block {block or '(outside the blocks)'}'s weights for the {phase}")
+                           f"ZeRO-{zero}: gather block {block[0] or '(outside the blocks)'}'s weights for the {phase}")
 
 
 def _block_of(name: str) -> str:
@@ -248,7 +249,9 @@ def _reduce_bucket(graph: fx.Graph, bucket: list[str], grads: dict[str, fx.Node]
     with graph.inserting_before(output):  # wait as late as possible: the backward overlaps it
         done = _node(graph, c10d.wait_tensor.default, (issued,), issued.meta["autopar"])
         if scatter and not reduce_scatter:  # the whole bucket, [n, rows of each]: keep ours
-            done = _node(graph, aten.select.int, (_node(graph, aten.view.default, (done, [n, -1])), 0, rank))
+            # (a copy, so that the whole bucket is freed: ZeRO-2/3 keep 1/n of the gradients)
+            rows = _node(graph, aten.select.int, (_node(graph, aten.view.default, (done, [n, -1])), 0, rank))
+            done = _node(graph, aten.clone.default, (rows,))
         out, offset = {}, 0
         for name, numel in zip(bucket, numels):
             piece = _node(graph, aten.slice.Tensor, (done, 0, offset, offset + numel))

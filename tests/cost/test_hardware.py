@@ -130,6 +130,9 @@ def test_local_ranks_share_the_cores(tmp_path, monkeypatch):
     assert four.gpus_per_node == 4 and four.gpu.peak("fp32") == pytest.approx(5e10)
     assert four.gpu.memory_bw == pytest.approx(5e9) and four.gpu.kernel_floor_s == pytest.approx(4e-6)
     assert "0.25" in four.gpu.source
+    # the fits are re-expressed at 4 ranks: an all-reduce ring has 6 steps there, 2 at 2 ranks
+    assert four.collective_fits["all_reduce"].latency_s == pytest.approx(3e-3)
+    assert two.collective_fits["all_reduce"].latency_s == pytest.approx(1e-3)
 
 
 def test_calibration_rejects_bad_files(tmp_path):

@@ -57,7 +57,7 @@ def _run_pass_worker(rank: int, world: int, zero: int) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_pass_gives_the_global_batch_gradients(zero):
     for problems in spawn(_run_pass_worker, 2, args=(zero,), timeout_s=240):
         assert problems == []
