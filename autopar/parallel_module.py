@@ -9,9 +9,10 @@ with the plan's placements), any ``torch.optim`` optimizer steps them, and
 The passes compose: the tensor-parallel pass (passes/tensor_parallel.py) turns the global graph
 into one TP rank's graph, the data-parallel pass (passes/data_parallel.py) then adds gradient
 reduction and ZeRO over the "dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP and their
-products (a ("dp", "tp") mesh). Layouts with pipeline, context or expert parallelism are planned
-but not yet executed: they raise a clear error. Gradient accumulation and recomputation are
-memory decisions of the plan; the executed step computes the same numbers in one pass.
+products (a ("dp", "tp") mesh), with gradient accumulation (the step captured for one
+micro-batch and run grad_accum times; see runtime/executor.py). Layouts with pipeline, context
+or expert parallelism are planned but not yet executed: they raise a clear error.
+Recomputation is a memory decision of the plan; the executed step keeps what the graph keeps.
 """
 
 from __future__ import annotations
@@ -82,10 +83,16 @@ class ParallelModule(nn.Module):
             head += f"; rank {rank} runs the same graph on its own shards"
         nodes = list(self._rank_graph.gm.graph.nodes)
         reasons = {n.name: n.meta["autopar"] for n in nodes if "autopar" in n.meta}
-        lines = [head, "# inputs:"]
+        lines = [head]
+        if self._rank_graph.accumulate_gm is not None:
+            lines.append(f"# the last of {self._rank_graph.micro_batches} micro-batches; the earlier ones run it "
+                         "without the gradient reduction, and their sums come in as 'accum' inputs")
+        lines.append("# inputs:")
         placeholders = [n for n in nodes if n.op == "placeholder"]
         for node, (kind, name) in zip(placeholders, self._rank_graph.inputs):
-            label = {"input": f"batch input {name} (this rank's slice)", "tangent": "seed gradient of the loss (1)"}
+            part = "one micro-batch of this rank's slice" if self._rank_graph.micro_batches > 1 else "this rank's slice"
+            label = {"input": f"batch input {name} ({part})",
+                     "tangent": "seed gradient of the loss (1 / grad_accum)"}
             note = reasons.get(node.name, "")
             lines.append(f"#   {node.name}: {label.get(kind, f'{kind} {name}')}" + (f" -- {note}" if note else ""))
         for line in self._rank_graph.gm.code.splitlines():
@@ -139,10 +146,17 @@ def parallelize(
     if batch % lay.dp:
         raise InputError(f"the batch of {batch} does not split over {lay.dp} data-parallel ranks: "
                          f"use a batch that is a multiple of {lay.dp}")
+    m = lay.grad_accum
+    if (batch // lay.dp) % m:
+        raise InputError(f"each data-parallel rank gets {batch // lay.dp} sequences, which do not split "
+                         f"into grad_accum={m} micro-batches: use a batch that is a multiple of "
+                         f"dp * grad_accum = {lay.dp * m}")
     mesh = _mesh_for(mesh, lay, device_type)
 
+    # the step is captured for one micro-batch; the executor runs it grad_accum times
     local_inputs = tuple(x.chunk(lay.dp, dim=0)[_dp_rank(mesh)] for x in example_inputs)
-    graph = _capture_local(model, local_inputs, loss_fn)
+    micro_inputs = tuple(x[: x.shape[0] // m] for x in local_inputs)
+    graph = _capture_local(model, micro_inputs, loss_fn)
     inputs = [(i.kind, i.name) for i in graph.inputs]
     grads = {o.name: o.index for o in graph.outputs if o.kind == "grad"}
     loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
@@ -159,16 +173,28 @@ def parallelize(
     holders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     params = {name: node for (kind, name), node in zip(inputs, holders) if kind == "param"}
     sharded: set[str] = set()
+    accumulate_gm = None
     if lay.dp > 1:
         seed = next(node for (kind, _), node in zip(inputs, holders) if kind == "tangent")
-        sharded = apply_data_parallel(gm, params, grads, loss_index, shapes, lay.zero, lay.dp,
-                                      mesh["dp"].get_group().group_name, seed, _dp_rank(mesh),
-                                      reduce_scatter=device_type != "cpu")
+        dp_args = (params, grads, loss_index, shapes, lay.zero, lay.dp, mesh["dp"].get_group().group_name,
+                   seed, _dp_rank(mesh))
+        # whole gradients on every rank (DP, ZeRO-1): reduce once per step, after the last
+        # micro-batch; sharded gradients (ZeRO-2/3) are reduced by every micro-batch
+        no_sync = m > 1 and lay.zero <= 1
+        if no_sync:
+            accumulate_gm = copy.deepcopy(gm)
+            apply_data_parallel(accumulate_gm, *dp_args, reduce_scatter=device_type != "cpu", sync="none")
+        sharded = apply_data_parallel(gm, *dp_args, reduce_scatter=device_type != "cpu",
+                                      sync="accumulated" if no_sync else "reduce")
+        inputs += [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
+                   if node.op == "placeholder" and "accumulates" in node.meta]
     rank_graph = RankGraph(
         gm=gm,
         inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
         loss_index=loss_index,
         grad_index=grads,
+        micro_batches=m,
+        accumulate_gm=accumulate_gm,
     )
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
     module = copy.deepcopy(model)

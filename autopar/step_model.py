@@ -584,8 +584,11 @@ def predict(
                 if lay.zero < 3 else 0.0
         overlap = comm_overlap(cluster)
         hide = overlap * float(bwd[slowest] + recomp[slowest])
-        dp_exposed = max(0.0, sync - hide) + after
-        dp_total = sync + after
+        # whole gradients (DP, ZeRO-1) are reduced once per step, after the last micro-batch
+        # (DDP's no_sync); sharded ones (ZeRO-2/3) by every micro-batch, each behind its backward
+        syncs = m if lay.zero >= 2 else 1
+        dp_exposed = syncs * max(0.0, sync - hide) + after
+        dp_total = syncs * sync + after
         if lay.zero == 3:
             # prefetched one block ahead: hidden behind that micro-batch's compute
             gather = 2 * blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)

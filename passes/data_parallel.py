@@ -70,6 +70,7 @@ def apply_data_parallel(
     seed: str,
     rank: int,
     reduce_scatter: bool = True,
+    sync: str = "reduce",
 ) -> set[str]:
     """Rewrite ``gm`` in place for data parallelism over a group of ``group_size`` ranks.
 
@@ -81,13 +82,21 @@ def apply_data_parallel(
     (its reduce-scatter is slower than an all-reduce of the same tensor, 38 vs 31 ms for 17 MB
     on 4 ranks of the dev box, and its issue call copied the input synchronously, up to 100 ms
     inside a training step, 2026-11-30).
+    sync, for gradient accumulation without a reduction per micro-batch (DDP's ``no_sync``):
+    "reduce" (default) reduces this graph's gradients and loss; "none" leaves them local (the
+    graph of the first micro-batches); "accumulated" adds one input per gradient and one for
+    the loss (placeholders with ``meta["accumulates"]`` = the parameter name, or `LOSS`), the
+    local sums of the earlier micro-batches, before reducing (the last micro-batch's graph).
     Returns the names of the parameters that are sharded (ZeRO >= 1 and divisible).
     """
+    if sync not in ("reduce", "none", "accumulated"):
+        raise ValueError(f"sync must be 'reduce', 'none' or 'accumulated', got {sync!r}")
     graph = gm.graph
     n = group_size
     nodes = {node.name: node for node in graph.nodes}
     output = next(node for node in graph.nodes if node.op == "output")
     sharded = {p for p in params if zero >= 1 and shardable(shapes[p], n)}
+    accumulated = _accumulator_inputs(graph, grads, loss_index, output) if sync == "accumulated" else {}
 
     last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
     with graph.inserting_after(last_input):
@@ -104,8 +113,21 @@ def apply_data_parallel(
     for name in order:
         nodes[params[name]].meta["autopar"] = f"ZeRO-{zero}: rank's rows of {name}"
 
+    if sync == "none":  # a micro-batch before the last: gradients and loss stay local
+        graph.lint()
+        gm.recompile()
+        return sharded
     # gradients: averaged over the group, scattered by rows where the weight is sharded
     present = {name: outs[index] for name, index in grads.items() if outs[index] is not None}
+    for name, acc in accumulated.items():  # add the earlier micro-batches' sums first
+        if name == LOSS:
+            with graph.inserting_before(output):
+                outs[loss_index] = _node(graph, aten.add.Tensor, (outs[loss_index], acc))
+            continue
+        with graph.inserting_after(present[name]):
+            total = _node(graph, aten.add.Tensor, (present[name], acc))
+        total.meta["val"] = present[name].meta["val"]
+        present[name] = total
     for bucket in _buckets(graph, present, sharded):
         reduced = _reduce_bucket(graph, bucket, present, sharded, zero, n, group_name, output, rank,
                                  reduce_scatter)
@@ -121,6 +143,27 @@ def apply_data_parallel(
     graph.lint()
     gm.recompile()
     return sharded
+
+
+LOSS = "<loss>"  # what the loss's accumulator input accumulates
+
+
+def _accumulator_inputs(graph: fx.Graph, grads: dict[str, int], loss_index: int,
+                        output: fx.Node) -> dict[str, fx.Node]:
+    """One new graph input per gradient output and one for the loss, after the other inputs."""
+    outs = output.args[0]
+    at = [node for node in graph.nodes if node.op == "placeholder"][-1]
+    made: dict[str, fx.Node] = {}
+    for name, index in [*grads.items(), (LOSS, loss_index)]:
+        if outs[index] is None:
+            continue
+        with graph.inserting_after(at):
+            at = graph.placeholder(f"accumulated_{len(made)}")
+        at.meta["val"] = outs[index].meta.get("val")
+        at.meta["accumulates"] = name
+        at.meta["autopar"] = f"gradient accumulation: the earlier micro-batches' sum for {name}"
+        made[name] = at
+    return made
 
 
 def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str]) -> list[list[str]]:

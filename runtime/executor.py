@@ -5,6 +5,16 @@ autograd Function: its forward runs the whole graph and keeps the gradients; its
 reached by ``loss.backward()``, hands them to the parameters (scaled by the incoming gradient,
 1 for a plain ``loss.backward()``). Parameters are DTensors: the graph reads their local
 shards and the gradients are wrapped back with the same placements.
+
+Gradient accumulation: with ``micro_batches`` m > 1 the graph was captured for one micro-batch
+and runs m times on the rank's batch, one slice after another, so only one micro-batch's
+activations live at a time. The loss's seed gradient is 1/m, so the summed gradients are those
+of the mean loss over the rank's batch; the reported loss is the mean of the m losses. (The
+loss is taken to be a mean over the batch, as data parallelism assumes too.) With an
+``accumulate_gm`` (DP and ZeRO-1: gradients are whole on every rank anyway) the first m-1
+micro-batches run it, without any gradient reduction, and the last runs ``gm``, which adds
+their sums (its "accum" inputs) and reduces once, as DDP's ``no_sync`` does; otherwise (ZeRO-2/3,
+whose gradients must stay sharded) every micro-batch reduces its own.
 """
 
 from __future__ import annotations
@@ -16,44 +26,65 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 
+from passes.data_parallel import LOSS
+
 
 @dataclass
 class RankGraph:
     """One rank's executable step: the graph and what feeds its inputs and reads its outputs."""
 
     gm: fx.GraphModule
-    inputs: list[tuple[str, str]]  # (kind, name) per placeholder: param | buffer | input | tangent
+    inputs: list[tuple[str, str]]  # (kind, name) per placeholder: param | buffer | input | tangent | accum
     loss_index: int
     grad_index: dict[str, int]  # parameter name -> output index
+    micro_batches: int = 1  # gradient accumulation: the graph runs once per micro-batch
+    accumulate_gm: fx.GraphModule | None = None  # micro-batches before the last, if they skip the sync
 
 
 class _JointStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rank_graph: RankGraph, names: list[str], buffers: dict, user_inputs: tuple, *params):
         by_name = dict(zip(names, params))
-        args = []
-        for kind, name in rank_graph.inputs:
-            if kind == "param":
-                p = by_name[name]
-                args.append(p.to_local() if isinstance(p, DTensor) else p)
-            elif kind == "buffer":
-                args.append(buffers[name])
-            elif kind == "input":
-                args.append(user_inputs[int(name)])
-            else:  # the loss's seed gradient
-                args.append(torch.ones((), dtype=torch.float32, device=user_inputs[0].device))
-        with torch.no_grad():
-            out = rank_graph.gm(*args)
+        m = rank_graph.micro_batches
+        device = user_inputs[0].device
+        seed = torch.full((), 1.0 / m, dtype=torch.float32, device=device)
+        loss = None
+        sums: dict[str, torch.Tensor] = {}
+        for micro in range(m):
+            last = micro == m - 1
+            early = rank_graph.accumulate_gm is not None and not last
+            args = []
+            for kind, name in rank_graph.inputs:
+                if kind == "param":
+                    p = by_name[name]
+                    args.append(p.to_local() if isinstance(p, DTensor) else p)
+                elif kind == "buffer":
+                    args.append(buffers[name])
+                elif kind == "input":
+                    args.append(user_inputs[int(name)].chunk(m)[micro])
+                elif kind == "tangent":  # the loss's seed gradient
+                    args.append(seed)
+                elif not early:  # "accum": the earlier micro-batches' sums, reduced by this graph
+                    args.append(loss if name == LOSS else sums.pop(name))
+            if not early and rank_graph.accumulate_gm is not None:
+                loss = None  # the last graph returns the total
+            with torch.no_grad():
+                out = (rank_graph.accumulate_gm if early else rank_graph.gm)(*args)
+            for name, index in rank_graph.grad_index.items():
+                g = out[index]
+                if g is not None:  # out of place: a gradient may be a view the graph shares
+                    sums[name] = g if name not in sums else sums[name] + g
+            part = out[rank_graph.loss_index].detach()
+            loss = part if loss is None else loss + part
+        loss = loss / m
         ctx.grads = []
         for name, p in zip(names, params):
-            index = rank_graph.grad_index.get(name)
-            g = out[index] if index is not None else None
+            g = sums.get(name)
             if g is not None and isinstance(p, DTensor):
                 g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride())
             ctx.grads.append(g)
-        loss = out[rank_graph.loss_index]
-        return loss.detach().clone()
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -70,7 +70,9 @@ def _tp_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
             batch = models.example_inputs(name, batch=8, seq=16)
             layout = None
             if degrees:
-                layout = autopar.Layout(**degrees, microbatch=8 // degrees.get("dp", 1), precision="fp32")
+                per_rank = 8 // degrees.get("dp", 1)
+                layout = autopar.Layout(**degrees, microbatch=per_rank // degrees.get("grad_accum", 1),
+                                        precision="fp32")
             pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
             label = (name, pm.plan.layout.short())
             failures += _train_and_compare(pm, ref, batch, label)
@@ -109,9 +111,12 @@ def _train_and_compare(pm, ref, batch, label) -> list[tuple]:
 
 
 TP_LAYOUTS = {
-    2: [{"tp": 2}, {"tp": 2, "sp": True}, {}],  # {}: the solver's own plan
+    # grad_accum: DP/ZeRO-1 reduce once after the last micro-batch, ZeRO-2/3 every micro-batch
+    2: [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "grad_accum": 2}, {"dp": 2, "zero": 1, "grad_accum": 2},
+        {}],  # {}: the solver's own plan
     4: [{"tp": 4}, {"tp": 4, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "zero": 1},
-        {"dp": 2, "tp": 2, "zero": 3, "sp": True}, {}],
+        {"dp": 2, "tp": 2, "zero": 3, "sp": True}, {"dp": 2, "tp": 2, "zero": 2, "grad_accum": 2},
+        {"dp": 2, "tp": 2, "grad_accum": 2}, {}],
 }
 
 
@@ -138,6 +143,11 @@ def _errors_worker(rank: int, world: int) -> list[str]:
                     layout=autopar.Layout(dp=world, microbatch=1, grad_accum=1, precision="fp32"))
     except (autopar.InputError, autopar.LayoutError) as exc:
         seen.append("batch" if "batch" in str(exc) else str(exc))
+    try:  # 2 sequences per rank cannot make 4 micro-batches
+        parallelize(model, world, example_inputs=batch,
+                    layout=autopar.Layout(dp=world, microbatch=1, grad_accum=4, precision="fp32"))
+    except (autopar.InputError, autopar.LayoutError) as exc:
+        seen.append("accum" if "micro-batches" in str(exc) or "grad_accum" in str(exc) else str(exc))
     try:
         parallelize(model, world, example_inputs=batch,
                     layout=autopar.Layout(pp=world, microbatch=1, grad_accum=4, precision="fp32"))
@@ -181,7 +191,7 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 def test_bad_input_and_dump_graph():
     results = spawn(_errors_worker, 2, timeout_s=300)
     seen = results[0]
-    assert seen[:4] == ["mesh", "batch", "pp", "model"]
+    assert seen[:5] == ["mesh", "batch", "accum", "pp", "model"]
     assert "uncommented collective" not in seen
     gathers, reductions, n_layers = seen[-3]
     assert gathers == n_layers + 1  # tiny-llama: every weight's first dim divides by 2
@@ -222,7 +232,7 @@ def test_distributed_checkpoint_round_trip(tmp_path):
 
 
 def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int, tp: int, sp: bool,
-                   zero: int) -> list:
+                   zero: int, accum: int) -> list:
     import dataclasses
 
     import autopar
@@ -234,8 +244,9 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     model = models.build(cfg, seed=5)
     ref = copy.deepcopy(model)
     dp = world // tp
-    batch = models.example_inputs(cfg, batch=2 * dp, seq=8)
-    layout = autopar.Layout(dp=dp, tp=tp, sp=sp and tp > 1, zero=zero, microbatch=2, precision="fp32")
+    batch = models.example_inputs(cfg, batch=2 * dp * accum, seq=8)
+    layout = autopar.Layout(dp=dp, tp=tp, sp=sp and tp > 1, zero=zero, microbatch=2, grad_accum=accum,
+                            precision="fp32")
     pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
     loss = pm(*batch)
     loss.backward()
@@ -256,8 +267,9 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     tp=st.sampled_from([1, 2, 4]),
     sp=st.booleans(),
     zero=st.integers(0, 3),
+    accum=st.sampled_from([1, 2]),
 )
-def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero):
+def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum):
     tp = min(tp, world)
-    results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero), timeout_s=300)
+    results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero, accum), timeout_s=300)
     assert results == [[]] * world
