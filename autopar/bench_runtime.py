@@ -5,7 +5,8 @@ torchtitan's Megatron plan with `parallelize_module` for TP+SP and DP x TP).
 
 Layouts: DP, ZeRO-1, ZeRO-2, ZeRO-3, TP+SP, DP x TP and the solver's own plan, on a small
 Llama-style GPT (grouped-query attention, SwiGLU). Everything is measured in one run, side by
-side, on the same ranks; steps alternate between autopar and the hand-written version. Both use
+side, on the same ranks; the steps of every layout, autopar's and the hand-written one, take turns
+round-robin, so that all see the same machine state. Both use
 the same optimizer, AdamW with foreach=True (one dispatch per op for all parameters: the
 default per-parameter loop costs DTensor parameters, autopar's and fully_shard's, about 2x).
 """
@@ -39,7 +40,7 @@ def _layouts(world: int) -> dict[str, dict | None]:
 
 def _time_pair(steps: list, warmup: int, repeat: int) -> list[float]:
     """Median step time of each step function, the functions interleaved step by step so
-    that both see the same machine state (the other ranks, the second core's load)."""
+    that all see the same machine state (the other ranks, the second core's load)."""
     import torch.distributed as dist
 
     for _ in range(warmup):
@@ -160,7 +161,7 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
 
     warnings.filterwarnings("ignore")
     batch = models.example_inputs(cfg, batch=batch_size, seq=seq)
-    rows = []
+    built = []
     for label, degrees in _layouts(world).items():
         model = models.build(cfg, seed=0)
         ref = copy.deepcopy(model)
@@ -175,9 +176,12 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
             opt.step()
             opt.zero_grad()
 
-        hand = _hand_written(pm.plan.layout, ref, batch, world)
-        measured, hand_s = _time_pair([step, hand], warmup, repeat)
-        rows.append({"layout": label, "degrees": pm.plan.layout.short(), "predicted_s": pm.plan.predicted.step_time_s,
+        built.append((label, pm.plan, step, _hand_written(pm.plan.layout, ref, batch, world)))
+    # every layout's steps and the hand-written ones round-robin: all see the same machine state
+    times = _time_pair([fn for _, _, step, hand in built for fn in (step, hand)], warmup, repeat)
+    rows = []
+    for (label, plan, _, _), measured, hand_s in zip(built, times[0::2], times[1::2]):
+        rows.append({"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
                      "measured_s": measured, "hand_written_s": hand_s, "autopar_over_hand": measured / hand_s})
     return rows
 
