@@ -197,14 +197,14 @@ def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.No
     again for the backward (the whole weights are dropped after each use); ZeRO-1/2 keep the
     forward's gathered weights for the backward."""
     phases = ("forward", "backward") if zero == 3 else ("forward and backward",)
+    group_of = gather_groups({name: shards[name].meta["val"] for name in order})
     for phase in phases:
         users_by_block: dict[tuple, dict[str, list[fx.Node]]] = {}
         for name in order:
             users = [u for u in shards[name].users if phase not in ("forward", "backward")
                      or _is_backward(u) == (phase == "backward")]
-            if users:  # one gather per block and dtype: a concatenation must not promote
-                key = (_block_of(name), shards[name].meta["val"].dtype)
-                users_by_block.setdefault(key, {})[name] = users
+            if users:
+                users_by_block.setdefault(group_of[name], {})[name] = users
         position = {node: i for i, node in enumerate(graph.nodes)}
         firsts = {block: min((u for us in users.values() for u in us), key=position.__getitem__)
                   for block, users in users_by_block.items()}
@@ -213,7 +213,24 @@ def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.No
             users = users_by_block[block]
             issue_at = firsts[blocks[k - 1]] if k else firsts[block]  # prefetch one block ahead
             _gather_bucket(graph, list(users), shards, users, issue_at, firsts[block], n, group_name,
-                           f"ZeRO-{zero}: gather block {block[0] or '(outside the blocks)'}'s weights for the {phase}")
+                           f"ZeRO-{zero}: gather {block[0]} for the {phase}")
+
+
+def gather_groups(weights: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.dtype]]:
+    """The group each weight is gathered with (ZeRO): its block and dtype (a concatenation must
+    not promote). A model without numbered blocks is cut into pieces of at most BUCKET_BYTES in
+    parameter order instead: one group would gather the whole model at once."""
+    if any(_block_of(name) for name in weights):
+        return {name: (f"block {_block_of(name)}'s weights" if _block_of(name) else "the weights outside the blocks",
+                       w.dtype) for name, w in weights.items()}
+    groups, piece, used = {}, 0, 0
+    for name, w in weights.items():
+        size = w.numel() * w.element_size()
+        if used and used + size > BUCKET_BYTES:
+            piece, used = piece + 1, 0
+        used += size
+        groups[name] = (f"bucket {piece} of the weights", w.dtype)
+    return groups
 
 
 def _block_of(name: str) -> str:
