@@ -177,15 +177,14 @@ def parallelize(
     if lay.dp > 1:
         seed = next(node for (kind, _), node in zip(inputs, holders) if kind == "tangent")
         dp_args = (params, grads, loss_index, shapes, lay.zero, lay.dp, mesh["dp"].get_group().group_name,
-                   seed, _dp_rank(mesh))
+                   seed, _dp_rank(mesh), device_type != "cpu")  # gloo: ZeRO reduces by all-reduce
         # whole gradients on every rank (DP, ZeRO-1): reduce once per step, after the last
         # micro-batch; sharded gradients (ZeRO-2/3) are reduced by every micro-batch
         no_sync = m > 1 and lay.zero <= 1
         if no_sync:
             accumulate_gm = copy.deepcopy(gm)
-            apply_data_parallel(accumulate_gm, *dp_args, reduce_scatter=device_type != "cpu", sync="none")
-        sharded = apply_data_parallel(gm, *dp_args, reduce_scatter=device_type != "cpu",
-                                      sync="accumulated" if no_sync else "reduce")
+            apply_data_parallel(accumulate_gm, *dp_args, sync="none")
+        sharded = apply_data_parallel(gm, *dp_args, sync="accumulated" if no_sync else "reduce")
         inputs += [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
                    if node.op == "placeholder" and "accumulates" in node.meta]
     rank_graph = RankGraph(
@@ -249,10 +248,12 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
     if layout is not None:
         batch = example_inputs[0].shape[0]
         if batch % layout.dp == 0 and layout.tp == 1:
-            # price the layout on the per-rank capture (activations are linear in the batch)
+            # price the layout on the per-rank micro-batch capture that parallelize runs
+            # (activations are linear in the batch)
             local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
-            graph = _capture_local(model, local, loss_fn)
-            fused = not cluster.gpu.name.startswith("cpu")  # CPU ranks run eager kernels
+            micro = tuple(x[: max(1, x.shape[0] // layout.grad_accum)] for x in local)
+            graph = _capture_local(model, micro, loss_fn)
+            fused = not cluster.gpu.is_cpu  # CPU ranks run eager kernels
             facts = CapturedStep(graph, analyze(graph), getattr(model, "config", None), fused=fused).facts()
             check_layout(facts.rebatch(batch), cluster, layout)
             return make_layout_plan(facts.rebatch(batch), cluster, layout,

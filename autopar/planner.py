@@ -380,14 +380,14 @@ def plan(
     searches for the fastest layout that fits. ``search`` options go to `autopar.solver.solve`.
     """
     cluster = cluster if cluster is not None else Cluster.local()
-    default = "fp32" if cluster.gpu.name.startswith("cpu") else "bf16"
+    default = "fp32" if cluster.gpu.is_cpu else "bf16"
     fp32 = (layout.precision if layout is not None else search.pop("precision", default)) == "fp32"
     dtype = torch.float32 if fp32 or "bf16" not in cluster.gpu.peak_flops else torch.bfloat16
     t0 = time.perf_counter()
     if progress:
         progress(f"capturing the training step ({dtype}) on fake tensors ...")
     # CPU ranks run eager PyTorch, one kernel per op; GPU plans assume fused element-wise kernels
-    fused = not cluster.gpu.name.startswith("cpu")
+    fused = not cluster.gpu.is_cpu
     step, fingerprint = step_facts(model, example_inputs, loss_fn, dtype, fused=fused)
     name = getattr(getattr(model, "config", None), "name", type(model).__name__)
     if layout is not None:

@@ -49,7 +49,7 @@ def candidate_layouts(
     layers = max(facts.n_layers, 1)
     cps = [1] + [c for c in (2, 4, 8) if seq % c == 0 and seq // c >= 2048]
     eps = [e for e in divisors(facts.n_experts)] if facts.n_experts else [1]
-    if cluster.gpu.name.startswith("cpu"):
+    if cluster.gpu.is_cpu:
         precisions = ("fp32",)  # CPU ranks compute in fp32 (bf16 matmuls are far slower there)
     else:
         precisions = ("bf16", "fp8") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else ("bf16",)

@@ -481,13 +481,13 @@ def comm_overlap(cluster: Cluster) -> float:
     box 4 ranks already oversubscribe them; `bench runtime` (2026-11-30) measured ZeRO-3 1.27x
     slower than DP where full overlap predicted it 3 % faster.
     """
-    return 0.0 if cluster.gpu.name.startswith("cpu") else 1.0
+    return 0.0 if cluster.gpu.is_cpu else 1.0
 
 
 def zero_reduction(cluster: Cluster) -> str:
     """The collective that reduces ZeRO's gradients: reduce-scatter, except on CPU ranks, where
     the runtime all-reduces (gloo's reduce-scatter is no faster: passes/data_parallel.py)."""
-    return "all_reduce" if cluster.gpu.name.startswith("cpu") else "reduce_scatter"
+    return "all_reduce" if cluster.gpu.is_cpu else "reduce_scatter"
 
 
 def predict(
@@ -596,7 +596,7 @@ def predict(
             dp_exposed += m * max(0.0, gather - per_mb)
             dp_total += m * gather
     opt_params = worst_params / (dp_group_size if lay.zero >= 1 else 1)
-    adam_bytes = CPU_ADAM_BYTES_PER_PARAM if gpu.name.startswith("cpu") else ADAM_BYTES_PER_PARAM
+    adam_bytes = CPU_ADAM_BYTES_PER_PARAM if gpu.is_cpu else ADAM_BYTES_PER_PARAM
     optimizer_s = opt_params * adam_bytes / bw
 
     step = pipe_total + dp_exposed + optimizer_s

@@ -41,6 +41,11 @@ class GPUSpec:
     matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
     sm_count: int = 0
 
+    @property
+    def is_cpu(self) -> bool:
+        """CPU ranks (a "cpu..." spec): eager kernels, fp32, gloo sharing the compute cores."""
+        return self.name.startswith("cpu")
+
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; a clear error if the chip has no such rate."""
         if dtype not in DTYPES:

@@ -33,32 +33,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _parity_worker(rank: int, world: int) -> list[tuple]:
-    import autopar
-    from autopar import models
-    from autopar.parallel_module import parallelize
-
-    failures = []
-    for name in MODELS:
-        for zero in STAGES:
-            model = models.build(name, seed=3)
-            ref = copy.deepcopy(model)
-            batch = models.example_inputs(name, batch=8, seq=16)
-            layout = autopar.Layout(dp=world, zero=zero, microbatch=8 // world, precision="fp32")
-            pm = parallelize(model, world, example_inputs=batch, layout=layout)
-            failures += _train_and_compare(pm, ref, batch, (name, f"zero{zero}"))
-            if zero >= 1 and not any(isinstance(p.placements[0], Shard) for p in pm.parameters()):
-                failures.append((name, zero, "no parameter is sharded under ZeRO"))
-    return failures
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_dp_and_zero_match_one_device(world):
-    results = spawn(_parity_worker, world, timeout_s=600)
-    assert results == [[]] * world
-
-
-def _tp_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
+def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
+    """Every model under every layout ({} = the solver's plan) against one device."""
     import autopar
     from autopar import models
 
@@ -76,10 +52,20 @@ def _tp_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
             pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
             label = (name, pm.plan.layout.short())
             failures += _train_and_compare(pm, ref, batch, label)
+            if layout is not None and layout.zero >= 1 and not any(
+                    isinstance(p.placements[0], Shard) for p in pm.parameters()):
+                failures.append((*label, "no parameter is sharded under ZeRO"))
             if layout is not None and layout.tp > 1 and not any(
                     any(isinstance(p, Shard) for p in q.placements[1:]) for q in pm.parameters()):
                 failures.append((*label, "no parameter is sharded over TP"))
     return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_and_zero_match_one_device(world):
+    layouts = [{"dp": world, "zero": zero} for zero in STAGES]
+    results = spawn(_layouts_worker, world, args=(layouts,), timeout_s=600)
+    assert results == [[]] * world
 
 
 def _train_and_compare(pm, ref, batch, label) -> list[tuple]:
@@ -122,7 +108,7 @@ TP_LAYOUTS = {
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_sp_and_dp_x_tp_match_one_device(world):
-    results = spawn(_tp_worker, world, args=(TP_LAYOUTS[world],), timeout_s=900)
+    results = spawn(_layouts_worker, world, args=(TP_LAYOUTS[world],), timeout_s=900)
     assert results == [[]] * world
 
 
