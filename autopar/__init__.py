@@ -5,10 +5,11 @@ over a cluster, and run it on torch.distributed.
 """
 
 from autopar import models
-from autopar.capture import TrainingGraph, capture
+from autopar.capture.joint import TrainingGraph, capture
 from autopar.errors import AutoparError, CaptureError, InputError
-from autopar.parallel_module import ParallelModule, parallelize
-from autopar.planner import Plan, plan
+from autopar.execution.parallelize import ParallelModule, parallelize
+from autopar.planning.plan import Plan
+from autopar.planning.planner import plan
 from cost import Cluster, Layout, LayoutError
 
 __version__ = "0.1.0"

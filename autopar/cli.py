@@ -32,7 +32,7 @@ def _write_json(path: str | None, data) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from autopar.inspect_model import format_report, inspect_model
+    from autopar.analysis.inspect_model import format_report, inspect_model
 
     print(f"capturing {args.model} (batch {args.batch}, seq {args.seq}, {args.dtype}) on fake tensors ...",
           flush=True)
@@ -76,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from autopar import models
-    from autopar.planner import plan
+    from autopar.planning.planner import plan
 
     cluster = _cluster(args)
     seq = args.seq
@@ -104,22 +104,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "cost-model":
-        from autopar.bench_cost_model import format_cost_model_bench, run_cost_model_bench
+        from autopar.bench.cost_model import format_cost_model_bench, run_cost_model_bench
 
         result = run_cost_model_bench(quick=args.quick)
         print(format_cost_model_bench(result))
     elif args.what == "block-check":
-        from autopar.bench_block import block_check, format_block_check
+        from autopar.bench.block import block_check, format_block_check
 
         result = block_check(args.measured) if args.measured else block_check()
         print(format_block_check(result))
     elif args.what == "runtime":
-        from autopar.bench_runtime import format_runtime_bench, run_runtime_bench
+        from autopar.bench.runtime import format_runtime_bench, run_runtime_bench
 
         result = run_runtime_bench(quick=args.quick, calibration=args.calibration)
         print(format_runtime_bench(result))
     elif args.what == "solver":
-        from autopar.bench_solver import format_solver_bench, run_solver_bench
+        from autopar.bench.solver import format_solver_bench, run_solver_bench
 
         result = run_solver_bench(quick=args.quick)
         print(format_solver_bench(result))
@@ -153,7 +153,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from autopar.calibrate import calibrate, format_calibration
+    from autopar.calibrate.local import calibrate, format_calibration
 
     data = calibrate(world_sizes=tuple(args.ranks), path=args.out, quick=args.quick)
     print(format_calibration(data))

@@ -22,6 +22,7 @@ from .calibration import (
     load_calibration,
 )
 from .hardware import GPUS, GPUSpec, get_gpu
+from .rings import ring_steps
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
@@ -337,10 +338,8 @@ class Cluster:
         if ranks != cal.world_size:
             # `cost.comm.latency` reads a fit as measured at gpus_per_node ranks: re-express the
             # measured latencies at this many ranks (scaled by ring steps, as comm does)
-            from .comm import _ring_steps
-
-            fits = {kind: CollectiveFit(f.latency_s * _ring_steps(kind, ranks, 1)[0]
-                                        / max(1, _ring_steps(kind, cal.world_size, 1)[0]), f.busbw)
+            fits = {kind: CollectiveFit(f.latency_s * ring_steps(kind, ranks, 1)[0]
+                                        / max(1, ring_steps(kind, cal.world_size, 1)[0]), f.busbw)
                     for kind, f in fits.items()}
         best = max((f.busbw for f in fits.values()), default=CPU_LOOPBACK.bandwidth)
         ref = fits.get("all_reduce") or next(iter(fits.values()), None)

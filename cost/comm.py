@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from .calibration import COLLECTIVES
 from .cluster import Cluster
+from .rings import ring_steps
 
 DEFAULT_MESSAGE_BYTES = 256 * 2**20  # the size the playbook's table (and nccl-tests) report
 
@@ -86,17 +87,6 @@ def traffic_factor(kind: str, n: int) -> float:
     return 2 * share if kind == "all_reduce" else share
 
 
-def _ring_steps(kind: str, n: int, nodes: int) -> tuple[int, int]:
-    """(steps, of which cross nodes) of NCCL's ring for ``kind`` on n ranks over ``nodes``."""
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (nodes - 1)
-    if kind == "send_recv":
-        return 1, 1 if nodes > 1 else 0
-    # all_gather / reduce_scatter rings; all_to_all as pairwise exchange, n-1 rounds
-    # (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication in MPICH").
-    return n - 1, nodes - 1
-
-
 def latency(kind: str, group: Group, cluster: Cluster) -> float:
     """Alpha: the time of a zero-byte ``kind`` on ``group`` (NCCL's latency model)."""
     _check_kind(kind)
@@ -106,11 +96,11 @@ def latency(kind: str, group: Group, cluster: Cluster) -> float:
     fits = cluster.collective_fits
     if fits and kind in fits and nodes == 1:
         # Measured at the calibration's world size; scale by ring steps to other group sizes.
-        ref_steps, _ = _ring_steps(kind, cluster.gpus_per_node, 1)
-        steps, _ = _ring_steps(kind, n, 1)
+        ref_steps, _ = ring_steps(kind, cluster.gpus_per_node, 1)
+        steps, _ = ring_steps(kind, n, 1)
         return fits[kind].latency_s * steps / max(1, ref_steps)
     intra, inter = cluster.intra.latency, cluster.inter.latency
-    steps, inter_steps = _ring_steps(kind, n, nodes)
+    steps, inter_steps = ring_steps(kind, n, nodes)
     alpha = cluster.base_latency + (steps - inter_steps) * intra + inter_steps * inter
     if kind == "all_reduce" and nodes > 1:
         # NCCL's tree: up and down a chain inside the node and a binary tree across nodes.

@@ -32,9 +32,13 @@ class Layout:
     sp: sequence parallelism inside the TP group (norms and residuals sharded on sequence).
     microbatch: sequences per micro-batch on one data-parallel rank.
     grad_accum: micro-batches per step on one data-parallel rank (pipeline micro-batches too).
+        Either may be omitted (None) and is derived from the batch by `resolve`: grad_accum 1
+        when neither is given, microbatch = batch / dp / grad_accum, grad_accum = batch / dp /
+        microbatch.
     schedule: pipeline schedule, one of SCHEDULES; virtual_stages: chunks per rank (interleaved).
     recompute: activation recomputation, one of RECOMPUTE.
-    precision: compute precision of matmuls, one of PRECISIONS (fp8 keeps bf16 elsewhere).
+    precision: compute precision of matmuls, one of PRECISIONS (fp8 keeps bf16 elsewhere);
+        None: derived by `resolve` (the model's own dtype; see `autopar.plan`).
     fp32_grad_accum: keep an fp32 gradient buffer (nanotron's default; +4 bytes per parameter).
     """
 
@@ -45,17 +49,19 @@ class Layout:
     ep: int = 1
     zero: int = 0
     sp: bool = False
-    microbatch: int = 1
-    grad_accum: int = 1
+    microbatch: int | None = None
+    grad_accum: int | None = None
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"
-    precision: str = "bf16"
+    precision: str | None = None
     fp32_grad_accum: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatch", "grad_accum", "virtual_stages"):
             value = getattr(self, name)
+            if value is None and name in ("microbatch", "grad_accum"):
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"Layout.{name}={value!r}: must be a positive integer")
         if self.zero not in (0, 1, 2, 3):
@@ -64,7 +70,7 @@ class Layout:
             raise LayoutError(f"Layout.schedule={self.schedule!r}: choose one of {SCHEDULES}")
         if self.recompute not in RECOMPUTE:
             raise LayoutError(f"Layout.recompute={self.recompute!r}: choose one of {RECOMPUTE}")
-        if self.precision not in PRECISIONS:
+        if self.precision is not None and self.precision not in PRECISIONS:
             raise LayoutError(f"Layout.precision={self.precision!r}: choose one of {PRECISIONS}")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(
@@ -78,12 +84,8 @@ class Layout:
             raise LayoutError(
                 f"Layout.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b'"
             )
-        if self.pp > 1 and self.schedule != "afab" and self.grad_accum < self.pp:
-            # 1F1B-style schedules need at least p micro-batches to fill the pipeline.
-            raise LayoutError(
-                    f"Layout.grad_accum={self.grad_accum} < pp={self.pp}: a {self.schedule} "
-                    f"pipeline needs at least pp micro-batches; set grad_accum >= {self.pp}"
-                )
+        # fewer micro-batches than stages is allowed: the pipeline never fills and the bubble
+        # is large, which the cost model prices (the playbook ran such layouts; some trained)
 
     @property
     def world_size(self) -> int:
@@ -91,9 +93,44 @@ class Layout:
         return self.dp * self.cp * self.pp * self.tp
 
     @property
+    def resolved(self) -> bool:
+        """Every derived field (microbatch, grad_accum, precision) is set."""
+        return None not in (self.microbatch, self.grad_accum, self.precision)
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step: microbatch * grad_accum * dp."""
+        if self.microbatch is None or self.grad_accum is None:
+            raise LayoutError(f"layout {self.short()}: microbatch and grad_accum are derived from "
+                              "the batch; call resolve(batch) first")
         return self.microbatch * self.grad_accum * self.dp
+
+    def resolve(self, batch: int, precision: str = "bf16") -> Layout:
+        """This layout with its omitted fields derived for a global batch of ``batch``
+        sequences: grad_accum 1 when neither it nor microbatch is given, the other from
+        ``batch = dp * microbatch * grad_accum``; ``precision`` where none is set."""
+        mb, ga = self.microbatch, self.grad_accum
+        if mb is None or ga is None:
+            if batch % self.dp:
+                raise LayoutError(f"layout {self.short()}: dp={self.dp} does not divide the batch of "
+                                  f"{batch} sequences; use a dp that divides it, or another batch")
+            per_rank = batch // self.dp
+            if mb is None and ga is None:
+                ga = 1
+            if mb is None:
+                if per_rank % ga:
+                    raise LayoutError(f"layout {self.short()}: each of the dp={self.dp} ranks gets "
+                                      f"{per_rank} sequences, which do not split into grad_accum={ga} "
+                                      "micro-batches; choose a grad_accum that divides it")
+                mb = per_rank // ga
+            else:
+                if per_rank % mb:
+                    raise LayoutError(f"layout {self.short()}: each of the dp={self.dp} ranks gets "
+                                      f"{per_rank} sequences, not a multiple of microbatch={mb}; "
+                                      "choose a microbatch that divides it")
+                ga = per_rank // mb
+        return dataclasses.replace(self, microbatch=mb, grad_accum=ga,
+                                   precision=self.precision or precision)
 
     def replace(self, **changes) -> Layout:
         """A copy with some fields changed (validated again)."""
@@ -109,13 +146,15 @@ class Layout:
             parts.append(f"zero{self.zero}")
         if self.sp:
             parts.append("sp")
-        parts.append(f"mb{self.microbatch}")
-        parts.append(f"ga{self.grad_accum}")
+        if self.microbatch is not None:
+            parts.append(f"mb{self.microbatch}")
+        if self.grad_accum is not None:
+            parts.append(f"ga{self.grad_accum}")
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
-        if self.precision != "bf16":
+        if self.precision not in ("bf16", None):
             parts.append(self.precision)
         return " ".join(parts)
 

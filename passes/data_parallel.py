@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from cost.plan_types import LOSS
+
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
@@ -143,9 +145,6 @@ def apply_data_parallel(
     graph.lint()
     gm.recompile()
     return sharded
-
-
-LOSS = "<loss>"  # what the loss's accumulator input accumulates
 
 
 def _accumulator_inputs(graph: fx.Graph, grads: dict[str, int], loss_index: int,

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from passes.data_parallel import LOSS
+from cost.plan_types import LOSS
 
 
 @dataclass

@@ -15,7 +15,7 @@ def _run_pass_worker(rank: int, world: int, zero: int) -> list[str]:
     import torch.distributed as dist
 
     from autopar import models
-    from autopar.capture import capture
+    from autopar.capture.joint import capture
     from passes.data_parallel import apply_data_parallel
 
     model = models.build("tiny-llama", seed=0)

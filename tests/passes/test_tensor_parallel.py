@@ -9,9 +9,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar import models
-from autopar.analysis import analyze
-from autopar.capture import capture
-from autopar.tp_recipe import find_tp_recipe
+from autopar.analysis.graph import analyze
+from autopar.capture.joint import capture
+from autopar.strategies.tp_recipe import find_tp_recipe
 from passes.tensor_parallel import apply_tensor_parallel, parse_placement
 from runtime.mesh import fake_world
 

@@ -115,7 +115,7 @@ def test_tp_sp_and_dp_x_tp_match_one_device(world):
 def _errors_worker(rank: int, world: int) -> list[str]:
     import autopar
     from autopar import models
-    from autopar.parallel_module import UnsupportedLayoutError, parallelize
+    from autopar.execution.parallelize import UnsupportedLayoutError, parallelize
 
     model = models.build("tiny-llama")
     batch = models.example_inputs("tiny-llama", batch=4, seq=16)

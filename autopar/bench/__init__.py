@@ -1,0 +1,1 @@
+"""Benchmarks (`python -m autopar bench ...`): tables, JSON, ratios measured in one run."""

@@ -1,0 +1,274 @@
+"""`python -m autopar bench runtime`: measured step time of executed layouts on local gloo ranks,
+next to the cost model's prediction (`Cluster.local()`) and the same layout written by hand
+with PyTorch's own APIs (DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard, and
+torchtitan's Megatron plan with `parallelize_module` for TP+SP and DP x TP).
+
+Layouts: DP, ZeRO-1, ZeRO-2, ZeRO-3, TP+SP, DP x TP and the solver's own plan, on a small
+Llama-style GPT (grouped-query attention, SwiGLU). Everything is measured in one run, side by
+side, on the same ranks; the steps of every layout, autopar's and the hand-written one, take turns
+round-robin, so that all see the same machine state. Both use
+the same optimizer, AdamW with foreach=True (one dispatch per op for all parameters: the
+default per-parameter loop costs DTensor parameters, autopar's and fully_shard's, about 2x).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from autopar.report import fmt_time, json_ready, table
+from runtime.launch import spawn
+
+
+def _layouts(world: int) -> dict[str, dict | None]:
+    layouts: dict[str, dict | None] = {
+        "DP": {"dp": world}, "ZeRO-1": {"dp": world, "zero": 1}, "ZeRO-2": {"dp": world, "zero": 2},
+        "ZeRO-3": {"dp": world, "zero": 3}, "TP+SP": {"tp": world, "sp": True}}
+    if world >= 4:  # a real product of both axes
+        layouts["DP x TP"] = {"dp": 2, "tp": world // 2}
+    layouts["solver"] = None
+    return layouts
+
+
+def _time_pair(steps: list, warmup: int, repeat: int) -> list[float]:
+    """Median step time of each step function, the functions interleaved step by step so
+    that all see the same machine state (the other ranks, the second core's load)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        for step in steps:
+            step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeat):
+        for i, step in enumerate(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _hand_written(layout, model, batch, world: int):
+    """The same layout written by hand with PyTorch's own APIs; returns a step function."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    if layout.tp > 1:
+        return _hand_written_tp(layout, model, batch)
+    rank = dist.get_rank()
+    local = tuple(x.chunk(world)[rank] for x in batch)
+    if layout.zero == 3:
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        net = model
+    else:
+        net = DistributedDataParallel(model)
+        if layout.zero == 0:
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=True)
+        else:  # ZeRO-1/2 by hand: DDP gradients with a sharded optimizer
+            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, foreach=True)
+
+    def step():
+        net(*local).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _hand_written_tp(layout, model, batch):
+    """torchtitan's Llama plan: Megatron column/row linears, SP norms, parallel loss; over DP,
+    gradients all-reduced in one flat bucket after the backward (what DDP would do)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    tp, sp = mesh["tp"], layout.sp
+    seq_layout = Shard(1) if sp else Replicate()
+    norm = SequenceParallel() if sp else None
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_layout),
+            "lm_head": ColwiseParallel(input_layouts=seq_layout, output_layouts=Shard(-1), use_local_output=False)}
+    if norm:
+        plan["norm"] = norm
+    parallelize_module(model, tp, plan)
+    for block in model.layers:
+        block_plan = {
+            "attn": PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),)),
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(output_layouts=seq_layout),
+            "mlp": PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq_layout),
+        }
+        if norm:
+            block_plan.update({"attn_norm": norm, "mlp_norm": norm})
+        parallelize_module(block, tp, block_plan)
+        block.attn.n_heads //= layout.tp  # each rank runs its own heads
+        block.attn.n_kv_heads //= layout.tp
+    # foreach cannot mix DTensors (the parallelised linears) and plain tensors (the norms
+    # without SP): one optimizer for each kind
+    kinds = [[p for p in model.parameters() if hasattr(p, "to_local") == dt] for dt in (True, False)]
+    opts = [torch.optim.AdamW(ps, lr=1e-3, foreach=True) for ps in kinds if ps]
+    local = tuple(x.chunk(layout.dp)[mesh.get_local_rank("dp")] for x in batch)
+    dp_group = mesh["dp"].get_group()
+
+    def step():
+        with loss_parallel():
+            model(*local).backward()
+        if layout.dp > 1:
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=dp_group)
+            flat /= layout.dp
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    return step
+
+
+def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, repeat: int) -> list[dict]:
+    import warnings
+
+    import autopar
+    from autopar import models
+
+    warnings.filterwarnings("ignore")
+    batch = models.example_inputs(cfg, batch=batch_size, seq=seq)
+    built = []
+    for label, degrees in _layouts(world).items():
+        model = models.build(cfg, seed=0)
+        ref = copy.deepcopy(model)
+        layout = None
+        if degrees is not None:
+            layout = autopar.Layout(**degrees, microbatch=batch_size // degrees.get("dp", 1), precision="fp32")
+        pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
+
+        def step(pm=pm, opt=opt):
+            pm(*batch).backward()
+            opt.step()
+            opt.zero_grad()
+
+        built.append((label, pm.plan, step, _hand_written(pm.plan.layout, ref, batch, world)))
+    # every layout's steps and the hand-written ones round-robin: all see the same machine state
+    times = _time_pair([fn for _, _, step, hand in built for fn in (step, hand)], warmup, repeat)
+    rows = []
+    for (label, plan, _, _), measured, hand_s in zip(built, times[0::2], times[1::2]):
+        rows.append({"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
+                     "measured_s": measured, "hand_written_s": hand_s, "autopar_over_hand": measured / hand_s})
+    return rows
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation; equal values share their average rank."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and v[order[end + 1]] == v[order[start]]:
+                end += 1
+            for pos in range(start, end + 1):
+                r[order[pos]] = (start + end) / 2
+            start = end + 1
+        return r
+
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
+
+
+def _per_layout(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """Predicted and measured step time per distinct layout: rows that run the same layout
+    (the solver often picks one of the hand-named ones) count once, their times averaged."""
+    by_layout: dict[str, list[dict]] = {}
+    for row in rows:
+        by_layout.setdefault(row["degrees"], []).append(row)
+    same = list(by_layout.values())
+    return ([statistics.fmean(r["predicted_s"] for r in group) for group in same],
+            [statistics.fmean(r["measured_s"] for r in group) for group in same])
+
+
+def _calibrate(world: int, progress) -> tuple[dict, Path]:
+    """This machine's numbers, measured now with ``world`` ranks: predictions and measurements
+    then see the same load (a calibration taken while other work ran makes every prediction
+    off by the same unknown factor)."""
+    from autopar.calibrate.local import calibrate
+
+    progress(f"calibrating this machine with {world} gloo ranks (autopar calibrate) ...")
+    path = Path(tempfile.mkdtemp(prefix="autopar-bench-")) / "calibration.json"
+    return calibrate(world_sizes=(world,), path=path, progress=None), path
+
+
+def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calibration: str | None = None) -> dict:
+    """Measure every executable layout of a small GPT on ``world`` gloo ranks.
+
+    ``calibration``: an `autopar calibrate` file for the predictions; default: calibrate now.
+    """
+    from autopar import models
+
+    cfg = dataclasses.replace(models.config("tiny-llama"), name="bench-llama", hidden=256, n_heads=8,
+                              n_kv_heads=4, ffn=768, n_layers=2 if quick else 4, vocab=2048, max_seq=256)
+    batch, seq = (8, 64) if quick else (16, 128)
+    measured_now = calibration is None
+    if measured_now:
+        cal, calibration = _calibrate(world, progress)
+    else:
+        cal = json.loads(Path(calibration).read_text())
+    progress(f"bench runtime: {cfg.n_layers}-layer GPT (h {cfg.hidden}), batch {batch} x seq {seq}, {world} gloo ranks")
+    t0 = time.perf_counter()
+    try:
+        rows = spawn(_worker, world, args=(cfg, batch, seq, 2, 5 if quick else 11), timeout_s=1800,
+                     env={"AUTOPAR_CALIBRATION": str(calibration)})[0]
+    finally:
+        if measured_now:  # its numbers are kept in the result
+            shutil.rmtree(Path(calibration).parent, ignore_errors=True)
+    predicted, measured = _per_layout(rows)
+    return json_ready({"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
+                       "spearman_predicted_vs_measured": _spearman(predicted, measured),
+                       "distinct_layouts": len(predicted), "calibration": cal,
+                       "time_s": time.perf_counter() - t0})
+
+
+def format_runtime_bench(result: dict) -> str:
+    """The table: measured, predicted and hand-written step times per layout."""
+    rows = [[r["layout"], r["degrees"], fmt_time(r["measured_s"]), fmt_time(r["predicted_s"]),
+             fmt_time(r["hand_written_s"]), f"{r['autopar_over_hand']:.2f}"] for r in result["rows"]]
+    head = ["layout", "degrees", "measured", "predicted (Cluster.local)", "hand-written", "autopar / hand"]
+    return (f"runtime bench on {result['world']} gloo ranks, batch {result['batch']} x seq {result['seq']}\n"
+            + table(head, rows, "llrrrr")
+            + f"\nSpearman rank correlation, predicted vs measured, over {result['distinct_layouts']} distinct "
+            f"layouts: {result['spearman_predicted_vs_measured']:.2f}")

@@ -1,0 +1,1 @@
+"""Calibration: measuring this machine for `Cluster.local()`."""

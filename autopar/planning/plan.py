@@ -1,0 +1,295 @@
+"""`autopar.plan`: the Plan of a training step on a cluster, and how it was reached.
+
+A Plan is inspectable data: the layout (degrees and recipes), the mesh, the placement of every
+parameter on every mesh axis (DTensor vocabulary), the pipeline stages, the predicted step time
+and memory with their breakdowns, and, when the solver chose it, the alternatives it weighed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from autopar.errors import InputError
+from autopar.report import fmt_bytes, fmt_count, fmt_time, json_ready, table
+from autopar.search.decisions import decide
+from autopar.search.manual import standard_layouts
+from autopar.search.step import CapturedStep
+from autopar.strategies.tp_recipe import COL, ROW, VOCAB
+from cost import Cluster, Layout
+from cost.plan_types import Fallback, PlanDecisions
+from cost.step import Prediction, StepFacts, predict
+
+PLAN_VERSION = 2  # 2: the decisions (cost.plan_types) travel whole
+
+
+@dataclass
+class Plan:
+    """The chosen (or evaluated) parallel layout of one training step on one cluster.
+
+    ``decisions`` holds what runs (`cost.plan_types.PlanDecisions`); ``layout``, ``placements``,
+    ``stages``, ``recompute``, ``fp8`` and ``fallbacks`` read it.
+    """
+
+    decisions: PlanDecisions
+    predicted: Prediction
+    cluster: Cluster
+    model: str = ""
+    fingerprint: str = ""  # parameter names and shapes: a plan belongs to one model
+    batch: int = 0
+    seq: int = 0
+    num_params: int = 0
+    solve: dict = field(default_factory=dict)  # how the plan was reached (method, time, counts)
+    alternatives: list[tuple[Layout, Prediction]] = field(default_factory=list)
+    alternative_labels: list[str] = field(default_factory=list)
+    # the captured step, so explain() prices other layouts without a new capture
+    _step: CapturedStep | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def layout(self) -> Layout:
+        """The degrees and recipes chosen (dp, tp, pp, cp, ep, zero, sp, microbatch, ...)."""
+        return self.decisions.layout
+
+    @property
+    def placements(self) -> dict[str, dict[str, str]]:
+        """parameter -> mesh axis -> "Shard(d)" | "Replicate()" (DTensor's spelling), as it runs."""
+        return self.decisions.placement_strings()
+
+    @property
+    def tp_roles(self) -> dict[str, str]:
+        """parameter -> tensor-parallel role (col, row, vocab, replicated)."""
+        return {n: p.tp_role for n, p in self.decisions.params.items()}
+
+    @property
+    def stages(self) -> list[tuple[int, int]]:
+        """(first block, last block) of each pipeline stage."""
+        return self.decisions.stages
+
+    @property
+    def recompute(self) -> list[str]:
+        """The forward values recomputed in the backward (per block), [] if none."""
+        return self.decisions.recompute
+
+    @property
+    def fp8(self) -> list[str]:
+        """The matmuls (by weight name) run in FP8, [] if none."""
+        return self.decisions.fp8
+
+    @property
+    def fallbacks(self) -> list[Fallback]:
+        """Ops that fall back to replication, with the reason."""
+        return self.decisions.fallbacks
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Mesh axes and sizes, outermost first (only axes of size > 1, dp always)."""
+        return self.decisions.mesh
+
+    # ------------------------------------------------------------------ inspection
+    def summary(self) -> str:
+        """A readable report: degrees, predicted time and memory split by kind, placements."""
+        p, lay = self.predicted, self.layout
+        tb = p.time_breakdown
+        lines = [
+            f"autopar plan: {self.model or 'model'} ({fmt_count(self.num_params)} parameters), "
+            f"batch {self.batch} x seq {self.seq} on {self.cluster.describe()}",
+            f"  layout   {lay.short()}   mesh {' x '.join(f'{k}={v}' for k, v in self.mesh.items())}",
+            f"  precision {lay.precision}, recompute {lay.recompute}"
+            + (f", schedule {lay.schedule}" if lay.pp > 1 else ""),
+        ]
+        if self.solve:
+            lines.append(
+                f"  solver   {self.solve.get('method', '?')}: {self.solve.get('evaluated', 0)} layouts "
+                f"evaluated in {self.solve.get('time_s', 0):.2f} s"
+            )
+        lines.append("")
+        lines.append(
+            f"predicted step {fmt_time(p.step_time_s)}, {p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
+            f"MFU {100 * p.mfu:.1f} %, memory {fmt_bytes(p.memory_per_device_bytes)} of "
+            f"{fmt_bytes(p.memory_capacity_bytes)} per device ({'fits' if p.fits else 'DOES NOT FIT'})"
+        )
+        exposed_comm = tb["tp_comm_s"] + tb["cp_comm_exposed_s"] + tb["ep_comm_s"] + tb["dp_comm_exposed_s"] + tb["pp_p2p_s"]
+        rows = [
+            ["compute", fmt_time(tb["compute_s"])],
+            ["recompute", fmt_time(tb["recompute_s"])],
+            ["exposed communication", fmt_time(exposed_comm)],
+            ["  tensor parallel", fmt_time(tb["tp_comm_s"])],
+            ["  data parallel (exposed / total)", f"{fmt_time(tb['dp_comm_exposed_s'])} / {fmt_time(tb['dp_comm_total_s'])}"],
+            ["  context / expert parallel", f"{fmt_time(tb['cp_comm_exposed_s'])} / {fmt_time(tb['ep_comm_s'])}"],
+            ["  pipeline point-to-point", fmt_time(tb["pp_p2p_s"])],
+            ["pipeline bubble", fmt_time(tb["pp_bubble_s"])],
+            ["optimizer step", fmt_time(tb["optimizer_s"])],
+        ]
+        lines.append(table(["time per step", ""], rows, "lr"))
+        lines.append("")
+        mem = [[k, fmt_bytes(v)] for k, v in p.memory_breakdown.items()]
+        mem.append(["total", fmt_bytes(p.memory_per_device_bytes)])
+        lines.append(table(["memory per device", ""], mem, "lr"))
+        lines.append("")
+        lines.append(self._placement_table())
+        if lay.pp > 1:
+            lines.append("pipeline stages: " + ", ".join(
+                f"{i}: blocks {a}-{b}" for i, (a, b) in enumerate(self.stages)))
+        return "\n".join(lines)
+
+    def _placement_table(self) -> str:
+        """Placements grouped by parameter pattern (block indices folded into '*')."""
+        groups: dict[tuple, list[str]] = {}
+        for name, placement in self.placements.items():
+            pattern = re.sub(r"\.\d+\.", ".*.", name)
+            key = (pattern, tuple(sorted(placement.items())), self.tp_roles.get(name, ""))
+            groups.setdefault(key, []).append(name)
+        rows = []
+        for (pattern, placement, role), names in sorted(groups.items()):
+            collectives = _collectives_of(role, self.layout)
+            rows.append([pattern, f"x{len(names)}", role, ", ".join(f"{a}:{p}" for a, p in placement), collectives])
+        return table(["parameter", "count", "tp role", "placement", "collectives it causes"], rows)
+
+    def explain(self, other: Plan | Layout | str | None = None) -> str:
+        """Cost of this plan against an alternative, term by term.
+
+        other: a Plan, a Layout (evaluated on the same step), the name of a standard layout
+        ("dp", "zero1", "zero3", "tp", "tp+sp", "dp+tp", "pp"), or None for every standard
+        manual layout that applies.
+        """
+        step = self._step
+        candidates: list[tuple[str, Layout | Plan]] = []
+        if other is None:
+            candidates = list(standard_layouts(self.cluster, self.batch, self.layout).items())
+        elif isinstance(other, str):
+            table_ = standard_layouts(self.cluster, self.batch, self.layout)
+            if other not in table_:
+                raise InputError(f"no standard layout named {other!r}; choose from {sorted(table_)}")
+            candidates = [(other, table_[other])]
+        else:
+            candidates = [("other", other)]
+        rows = [self._explain_row("this plan", self.layout, self.predicted)]
+        for label, cand in candidates:
+            if isinstance(cand, Plan):
+                rows.append(self._explain_row(label, cand.layout, cand.predicted))
+                continue
+            if step is None:
+                raise InputError("explain against a Layout needs the plan's captured step: call it on "
+                                 "a plan returned by autopar.plan in this process")
+            try:
+                pred = predict(step.facts_for(self.cluster, cand), self.cluster, cand)
+            except ValueError as exc:
+                rows.append([label, cand.short(), "-", "-", "-", "-", "-", f"invalid: {exc}"[:60]])
+                continue
+            rows.append(self._explain_row(label, cand, pred))
+        head = ["layout", "degrees", "step", "compute", "exposed comm", "bubble", "memory", "vs this plan"]
+        return table(head, rows)
+
+    def _explain_row(self, label: str, layout: Layout, pred: Prediction) -> list:
+        tb = pred.time_breakdown
+        comm = tb["tp_comm_s"] + tb["cp_comm_exposed_s"] + tb["ep_comm_s"] + tb["dp_comm_exposed_s"] + tb["pp_p2p_s"]
+        verdict = "fits" if pred.fits else "does not fit"
+        ratio = pred.step_time_s / self.predicted.step_time_s
+        return [label, layout.short(), fmt_time(pred.step_time_s), fmt_time(tb["compute_s"] + tb["recompute_s"]),
+                fmt_time(comm), fmt_time(tb["pp_bubble_s"]),
+                f"{fmt_bytes(pred.memory_per_device_bytes)} ({verdict})", f"{ratio:.2f}x time"]
+
+    # ------------------------------------------------------------------ serialisation
+    def to_json(self) -> str:
+        """JSON text of the whole plan (load with `Plan.from_json`)."""
+        data = {
+            "version": PLAN_VERSION,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "batch": self.batch,
+            "seq": self.seq,
+            "num_params": self.num_params,
+            "decisions": self.decisions.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "predicted": self.predicted.as_dict(),
+            "placements": self.placements,  # derived from the decisions, for readers of the file
+            "solve": json_ready(self.solve),
+            "alternatives": [{"layout": lay.to_dict(), "predicted": pred.as_dict(), "label": label}
+                             for (lay, pred), label in zip(self.alternatives, self._labels())],
+        }
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of `to_json`."""
+        data = json.loads(text)
+        if data.get("version") != PLAN_VERSION:
+            raise InputError(f"plan JSON version {data.get('version')!r}; this autopar reads "
+                             f"{PLAN_VERSION}: plan the model again with this version")
+        return cls(
+            decisions=PlanDecisions.from_dict(data["decisions"]),
+            predicted=Prediction(**data["predicted"]),
+            cluster=Cluster.from_dict(data["cluster"]),
+            model=data.get("model", ""),
+            fingerprint=data.get("fingerprint", ""),
+            batch=data.get("batch", 0),
+            seq=data.get("seq", 0),
+            num_params=data.get("num_params", 0),
+            solve=data.get("solve", {}),
+            alternatives=[(Layout.from_dict(a["layout"]), Prediction(**a["predicted"]))
+                          for a in data.get("alternatives", [])],
+            alternative_labels=[a.get("label", "") for a in data.get("alternatives", [])],
+        )
+
+    def _labels(self) -> list[str]:
+        labels = list(self.alternative_labels)
+        return labels + [f"alternative {i}" for i in range(len(labels), len(self.alternatives))]
+
+    def compare_manual(self) -> str:
+        """This plan against the best hand-written layout of each standard family."""
+        p = self.predicted
+        rows = [["autopar plan", self.layout.short(), fmt_time(p.step_time_s),
+                 f"{p.tokens_per_s_per_gpu:,.0f}", f"{100 * p.mfu:.1f} %",
+                 fmt_bytes(p.memory_per_device_bytes), "1.00"]]
+        for (lay, pred), label in zip(self.alternatives, self._labels()):
+            rows.append([label, lay.short(), fmt_time(pred.step_time_s), f"{pred.tokens_per_s_per_gpu:,.0f}",
+                         f"{100 * pred.mfu:.1f} %", fmt_bytes(pred.memory_per_device_bytes),
+                         f"{pred.step_time_s / p.step_time_s:.2f}"])
+        missing = [k for k, v in self.solve.get("manual_best", {}).items() if v is None]
+        head = ["layout", "degrees", "step", "tok/s/GPU", "MFU", "memory", "step / autopar"]
+        text = "best manual layouts (grid search on the same cost model):\n" + table(head, rows, "llrrrrr")
+        if missing:
+            text += "\nno layout of these families fits: " + ", ".join(missing)
+        return text
+
+    def __repr__(self) -> str:
+        p = self.predicted
+        return (f"Plan({self.layout.short()}, step {fmt_time(p.step_time_s)}, "
+                f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {'fits' if p.fits else 'does not fit'})")
+
+
+def _collectives_of(role: str, layout: Layout) -> str:
+    """The collectives a parameter's placement causes, in words."""
+    parts = []
+    if layout.dp * layout.cp > 1:
+        parts.append({0: "grad all-reduce", 1: "grad reduce-scatter + weight all-gather",
+                      2: "grad reduce-scatter + weight all-gather",
+                      3: "weight all-gather fwd+bwd, grad reduce-scatter"}[layout.zero])
+    if layout.tp > 1:
+        if role == COL:
+            parts.append("input all-gather (SP)" if layout.sp else "input-grad all-reduce")
+        elif role == ROW:
+            parts.append("output reduce-scatter (SP)" if layout.sp else "output all-reduce")
+        elif role == VOCAB:
+            parts.append("output all-reduce")
+        elif layout.sp:
+            parts.append("grad all-reduce over tp (SP)")
+    return "; ".join(parts) or "none"
+
+
+def make_plan(step: CapturedStep, cluster: Cluster, layout: Layout, model: str = "",
+              fingerprint: str = "", prediction: Prediction | None = None,
+              facts: StepFacts | None = None) -> Plan:
+    """A Plan for ``layout`` on ``step``: its decisions (`search.decisions.decide`) and price.
+
+    facts: the cost facts the layout is priced with (the solver's TP recipe); by default those
+    `CapturedStep.facts_for` gives, the same for every caller.
+    """
+    facts = facts or step.facts_for(cluster, layout)
+    pred = prediction or predict(facts, cluster, layout)
+    plan = Plan(decisions=decide(facts, cluster, layout), predicted=pred, cluster=cluster,
+                model=model, fingerprint=fingerprint, batch=facts.batch, seq=facts.seq,
+                num_params=facts.num_params)
+    plan._step = step
+    return plan

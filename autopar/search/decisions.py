@@ -1,0 +1,83 @@
+"""Write a layout's decisions as plan data: placements, ZeRO shards, stages, recompute, FP8.
+
+`decide` is where the solver's choice becomes the `cost.plan_types.PlanDecisions` that the
+passes execute, so the Plan shows what runs: a ZeRO-1/2/3 weight is ``Shard(0)`` on "dp" (the
+data-parallel pass keeps 1/dp of its rows on each rank), a TP weight its recipe's shard, a
+fused q/k/v projection a per-part shard.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.strategies.tp_recipe import VOCAB
+from cost import Cluster, Layout
+from cost.plan_types import AxisPlacement, CommPlan, Fallback, ParamPlan, PlanDecisions
+from cost.step import StepFacts, stage_of, zero_reduction
+
+
+def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
+    """The decisions of ``layout`` on this step, as the passes will run them."""
+    params = {name: _param_plan(facts, layout, name) for name in facts.param_numel}
+    return PlanDecisions(
+        layout=layout,
+        params=params,
+        stages=_stages(facts, layout),
+        recompute=_recomputed(facts, layout),
+        fp8=_fp8_weights(facts, layout),
+        comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter"),
+        fallbacks=[Fallback(op, "no sharding strategy on its inputs: gathered, run replicated")
+                   for op in facts.tp_fallbacks] if layout.tp > 1 else [],
+    )
+
+
+def _param_plan(facts: StepFacts, layout: Layout, name: str) -> ParamPlan:
+    shape = facts.param_shape.get(name, ())
+    role = facts.tp_roles.get(name, "replicated")
+    parts = facts.param_tp_parts.get(name, 1)
+    placements: dict[str, AxisPlacement] = {}
+    tp_dim = facts.param_tp_dim.get(name) if layout.tp > 1 else None
+    tp_place = AxisPlacement.shard(tp_dim, parts) if tp_dim is not None else AxisPlacement.replicate()
+    # ZeRO shards dim 0 of the TP-local weight evenly over dp (the data-parallel pass keeps a
+    # weight whole where it does not divide); a per-part TP shard is left whole over dp
+    local0 = shape[0] // layout.tp if shape and tp_dim == 0 else (shape[0] if shape else 0)
+    zero = (layout.zero >= 1 and layout.dp > 1 and bool(shape) and local0 % layout.dp == 0
+            and tp_place.split_factor == 1)
+    if zero and tp_dim == 0:
+        placements["dp"] = AxisPlacement.shard(0, layout.tp)  # the rows of the TP shard
+    elif zero:
+        placements["dp"] = AxisPlacement.shard(0)
+    else:
+        placements["dp"] = AxisPlacement.replicate()
+    if layout.tp > 1:
+        placements["tp"] = tp_place
+    return ParamPlan(shape=tuple(shape), placements=placements, tp_role=role, zero_sharded=zero,
+                     fused_parts=parts)
+
+
+def _stages(facts: StepFacts, layout: Layout) -> list[tuple[int, int]]:
+    """Blocks of each pipeline stage, as the cost model splits them (evenly)."""
+    n = max(facts.n_layers, 1)
+    of = stage_of(np.arange(n), n, layout.pp)
+    out = []
+    for s in range(layout.pp):
+        blocks = np.flatnonzero(of == s)
+        out.append((int(blocks[0]), int(blocks[-1])) if len(blocks) else (0, -1))
+    return out
+
+
+def _recomputed(facts: StepFacts, layout: Layout) -> list[str]:
+    """What the backward recomputes, per block (every block alike)."""
+    if layout.recompute == "none" or not facts.n_layers:
+        return []
+    what = ("every forward value but the block's input" if layout.recompute == "full"
+            else "element-wise forward values (matmul and attention outputs kept)")
+    return [f"block {i}: {what}" for i in range(facts.n_layers)]
+
+
+def _fp8_weights(facts: StepFacts, layout: Layout) -> list[str]:
+    """Weights whose matmuls run in FP8 (every 2-D weight but the embedding, for now)."""
+    if layout.precision != "fp8":
+        return []
+    return [n for n, shape in facts.param_shape.items()
+            if len(shape) == 2 and facts.tp_roles.get(n) != VOCAB]

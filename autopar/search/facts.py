@@ -1,0 +1,241 @@
+"""The cost facts of a captured step: what `cost.step.predict` prices, read off the graph.
+
+For every node its FLOPs and the bytes it touches, split into the batch-dependent part
+(activations) and the rest (weights), its TP state from `tp_recipe` (sharded t ways,
+sequence-shardable, or replicated), its repeated block; the forward values saved for the
+backward; the TP collectives the recipe implies; the parameters and where they are used.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import torch
+
+from autopar.analysis.fusion import external_bytes, fused_saved, fusion_groups
+from autopar.analysis.graph import GraphAnalysis
+from autopar.capture.joint import TrainingGraph
+from autopar.errors import InputError
+from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
+from cost.step import StepFacts
+
+_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
+
+
+def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True,
+                     roles: dict[str, str] | None = None) -> StepFacts:
+    """The cost facts of a captured step (`cost.step.StepFacts`), once per graph and TP recipe.
+
+    config: a zoo ModelConfig (optional) supplies head counts. fused: price element-wise chains
+    as fused kernels and save what a fused step saves (torch.compile, nanotron's kernels); False
+    prices eager PyTorch, one kernel per op. roles: tensor-parallel roles of some weights (from
+    `tp_ilp`); Megatron's otherwise.
+    """
+    tp = find_tp_recipe(graph, analysis, roles)
+    groups = fusion_groups(graph, analysis) if fused else {}
+    ext_inputs, leaves = external_bytes(graph, analysis, groups)
+    saved_values = fused_saved(graph, analysis, groups) if fused else analysis.saved
+    nodes = [n for n in graph.gm.graph.nodes]
+    user_inputs = [n for n in nodes if any(i.node == n.name and i.kind == "input" for i in graph.inputs)]
+    batch, seq = _batch_and_seq(user_inputs)
+    blocks = analysis.blocks
+    n_layers = blocks.count if blocks else 0
+    layer_eff = _effective_layers(nodes, analysis, n_layers)
+    bd = tp.batch_dependent
+    expert_prefixes = _expert_modules(graph)
+
+    arrays: dict[str, list] = {k: [] for k in (
+        "flops", "vflops", "bytes_act", "bytes_const", "batch_dep", "tp_div", "sp_div",
+        "is_matmul", "fp8_act_bytes", "fp8_const_bytes", "forward", "launch", "hides_gather", "hides_reduce", "layer", "is_attention", "attention_kv_bytes",
+    )}
+    expert_io = np.zeros(max(n_layers, 1) + 2)
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        info = analysis.nodes[node.name]
+        if info.is_view:
+            continue  # views launch no kernel and move no bytes
+        state = tp.state.get(node.name, "R")
+        act_in = sum(analysis.nodes[i.name].nbytes for i in ext_inputs[node.name] if bd.get(i.name))
+        const_in = sum(analysis.nodes[i.name].nbytes for i in ext_inputs[node.name] if not bd.get(i.name))
+        out_bd = bd.get(node.name, False)
+        written = info.bytes_written if leaves[node.name] else 0
+        tp_div = state == "S" or node.name in tp.sharded_matmul
+        is_attn = any(k in str(node.target) for k in _ATTENTION) and info.phase == "forward"
+        kv = 0
+        if is_attn:
+            kv = sum(analysis.nodes[a.name].nbytes for a in node.args[1:3] if isinstance(a, torch.fx.Node))
+        param_mm = node.name in tp.sharded_matmul or (
+            info.is_matmul and any(i.name in tp.weight_of for i in node.all_input_nodes)
+        )
+        arrays["flops"].append(info.flops)
+        arrays["vflops"].append(info.vector_flops)
+        arrays["bytes_act"].append(act_in + (written if out_bd else 0))
+        arrays["bytes_const"].append(const_in + (0 if out_bd else written))
+        arrays["launch"].append(groups.get(node.name, node.name) == node.name)
+        arrays["hides_gather"].append(node.name in tp.column_matmul)
+        arrays["hides_reduce"].append(node.name in tp.weight_grad_matmul)
+        arrays["batch_dep"].append(out_bd or act_in > 0)
+        arrays["tp_div"].append(tp_div)
+        arrays["sp_div"].append(state == "R" and out_bd and not tp_div)
+        arrays["is_matmul"].append(info.is_matmul or info.flops > 0)
+        arrays["fp8_act_bytes"].append(act_in if param_mm else 0)
+        arrays["fp8_const_bytes"].append(const_in if param_mm else 0)
+        arrays["forward"].append(info.phase == "forward")
+        arrays["layer"].append(layer_eff[node.name])
+        arrays["is_attention"].append(is_attn)
+        arrays["attention_kv_bytes"].append(kv)
+        # activations crossing into or out of expert modules: the EP all-to-all volume
+        if expert_prefixes and info.phase == "forward" and out_bd:
+            mine = _under(info.module, expert_prefixes)
+            for i in node.all_input_nodes:
+                other = _under(analysis.nodes[i.name].module, expert_prefixes)
+                if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward":
+                    expert_io[layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
+
+    saved = {k: [] for k in ("bytes", "bd", "tp", "sp", "layer", "heavy")}
+    for name, nbytes in saved_values.items():
+        info = analysis.nodes[name]
+        state = tp.state.get(name, "R")
+        node_bd = bd.get(name, False)
+        saved["bytes"].append(nbytes)
+        saved["bd"].append(node_bd)
+        saved["tp"].append(state == "S")
+        # a saved partial sum is stored after its reduction: replicated, or sequence-sharded
+        saved["sp"].append(state in ("R", "P") and node_bd)
+        saved["layer"].append(layer_eff.get(name, -1))
+        saved["heavy"].append(info.flops > 0 or info.is_matmul)
+
+    events = tp.events
+    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
+    consumers = _param_layers(graph, params, layer_eff, analysis)
+    facts = StepFacts(
+        batch=batch,
+        seq=seq,
+        n_layers=n_layers,
+        heads=getattr(config, "n_heads", None),
+        kv_heads=getattr(config, "n_kv_heads", None),
+        n_experts=getattr(config, "n_experts", 0) or 0,
+        total_flops=analysis.forward_flops + analysis.backward_flops,
+        flops=np.array(arrays["flops"], dtype=float),
+        vflops=np.array(arrays["vflops"], dtype=float),
+        bytes_act=np.array(arrays["bytes_act"], dtype=float),
+        bytes_const=np.array(arrays["bytes_const"], dtype=float),
+        batch_dep=np.array(arrays["batch_dep"], dtype=bool),
+        tp_div=np.array(arrays["tp_div"], dtype=bool),
+        sp_div=np.array(arrays["sp_div"], dtype=bool),
+        is_matmul=np.array(arrays["is_matmul"], dtype=bool),
+        fp8_act_bytes=np.array(arrays["fp8_act_bytes"], dtype=float),
+        fp8_const_bytes=np.array(arrays["fp8_const_bytes"], dtype=float),
+        forward=np.array(arrays["forward"], dtype=bool),
+        launch=np.array(arrays["launch"], dtype=bool),
+        hides_gather=np.array(arrays["hides_gather"], dtype=bool),
+        hides_reduce=np.array(arrays["hides_reduce"], dtype=bool),
+        layer=np.array(arrays["layer"], dtype=int),
+        is_attention=np.array(arrays["is_attention"], dtype=bool),
+        attention_kv_bytes=np.array(arrays["attention_kv_bytes"], dtype=float),
+        saved_bytes=np.array(saved["bytes"], dtype=float),
+        saved_batch_dep=np.array(saved["bd"], dtype=bool),
+        saved_tp_div=np.array(saved["tp"], dtype=bool),
+        saved_sp_div=np.array(saved["sp"], dtype=bool),
+        saved_layer=np.array(saved["layer"], dtype=int),
+        saved_heavy=np.array(saved["heavy"], dtype=bool),
+        block_input_bytes=_block_input_bytes(graph, analysis, bd),
+        event_bytes=np.array([e.nbytes for e in events], dtype=float),
+        event_batch_dep=np.array([e.batch_dependent for e in events], dtype=bool),
+        event_reduce=np.array([e.kind == "reduce" for e in events], dtype=bool),
+        event_layer=np.array([layer_eff.get(e.node, -1) for e in events], dtype=int),
+        event_forward=np.array([e.forward for e in events], dtype=bool),
+        event_always=np.array([e.always for e in events], dtype=bool),
+        expert_io_bytes=expert_io,
+        param_numel={n: math.prod(graph.param_shapes[n]) for n in params},
+        param_tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
+        param_expert={n: _under(n, expert_prefixes) for n in params},
+        param_stages_layer=consumers,
+        param_dtype_bytes={n: torch.empty((), dtype=graph.param_dtypes[n]).element_size() for n in params},
+        tp_roles=dict(tp.roles),
+        param_tp_dim={n: tp.param_shard_dim(n) for n in params},
+        param_shape={n: tuple(graph.param_shapes[n]) for n in params},
+        param_tp_parts=dict(getattr(tp, "fused_parts", {})),
+        tp_fallbacks=sorted(tp.fallback_ops),
+    )
+    return facts
+
+
+def _batch_and_seq(user_inputs) -> tuple[int, int]:
+    """The batch is dim 0 of the first user input, the sequence dim 1 (1 if absent)."""
+    if not user_inputs:
+        raise InputError("the captured step has no user inputs: nothing to split over data-parallel ranks")
+    shape = tuple(user_inputs[0].meta["val"].shape)
+    if not shape:
+        raise InputError("the first example input is a scalar: it needs a batch dimension (dim 0)")
+    return int(shape[0]), int(shape[1]) if len(shape) > 1 else 1
+
+
+def _effective_layers(nodes, analysis: GraphAnalysis, n_layers: int) -> dict[str, int]:
+    """Block index of every node; nodes outside blocks go to the nearest block in execution
+    order: before the first block -1 (stage 0), after the last block n_layers (last stage)."""
+    out: dict[str, int] = {}
+    fwd_current, bwd_current = -1, n_layers
+    for node in nodes:
+        info = analysis.nodes[node.name]
+        if info.layer is not None:
+            out[node.name] = info.layer
+            if info.phase == "forward":
+                fwd_current = info.layer if info.layer < n_layers - 1 else n_layers
+            else:
+                bwd_current = info.layer if info.layer > 0 else -1
+            continue
+        if info.phase == "backward":
+            out[node.name] = bwd_current
+        else:
+            out[node.name] = fwd_current
+    return out
+
+
+def _expert_modules(graph: TrainingGraph) -> tuple[str, ...]:
+    """Module prefixes of experts: a list of identical modules inside a repeated block
+    (``layers.3.mlp.experts.5``), found from parameter names with two indices."""
+    prefixes = set()
+    for name in graph.param_shapes:
+        match = re.match(r"^(.*?\.\d+\..*?\.)\d+\.", name)
+        if match:
+            prefixes.add(match.group(1))
+    return tuple(sorted(prefixes))
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module.startswith(p) for p in prefixes)
+
+
+def _param_layers(graph, params, layer_eff, analysis) -> dict[str, list[int]]:
+    """The blocks (effective layers) whose forward nodes read each parameter."""
+    users: dict[str, set[int]] = {n: set() for n in params}
+    by_node = {node: name for name, node in params.items()}
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and analysis.nodes[node.name].phase == "forward":
+            for i in node.all_input_nodes:
+                if i.name in by_node:
+                    users[by_node[i.name]].add(layer_eff[node.name])
+    return {n: sorted(s) or [-1] for n, s in users.items()}
+
+
+def _block_input_bytes(graph, analysis: GraphAnalysis, bd) -> float:
+    """Bytes of the activation entering one block (the residual stream), whole batch."""
+    blocks = analysis.blocks
+    if not blocks or not blocks.nodes:
+        return 0.0
+    first = blocks.nodes[min(blocks.nodes)]
+    members = set(first)
+    roots = set()
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    for name in first:
+        node = by_name[name]
+        if analysis.nodes[name].phase != "forward":
+            continue
+        for i in node.all_input_nodes:
+            if i.name not in members and bd.get(i.name) and analysis.nodes[i.name].phase == "forward":
+                roots.add(analysis.nodes[i.name].storage)
+    return float(sum(analysis.nodes[r].nbytes for r in roots))

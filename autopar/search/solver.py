@@ -1,0 +1,259 @@
+"""The solver: the fastest layout of a training step that fits the cluster's memory.
+
+Search space, per the playbook's decision procedure: the mesh factorisation world = dp*cp*pp*tp
+(TP inside a node first; across nodes only when nothing else fits), expert parallelism for MoE
+models, ZeRO stage 0-3, sequence parallelism, micro-batch size and gradient accumulation for the
+requested global batch, activation recomputation, the pipeline schedule, and optionally FP8.
+Each candidate is priced by `cost.step` (memory first: cheap and prunes most candidates);
+the tensor-parallel placement of every weight comes from `tp_ilp` (an OR-tools ILP over the
+graph's matmuls, tied across repeated blocks) or the Megatron recipe, whichever predicts faster.
+The same inputs always give the same plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from autopar.errors import AutoparError
+from autopar.search.manual import best_manual, divisors
+from autopar.search.step import CapturedStep
+from cost import Cluster, Layout, LayoutError
+from cost.memory import RESERVE_BYTES
+from cost.step import (
+    Prediction,
+    StepFacts,
+    check_layout,
+    default_precision,
+    predict,
+    predict_memory,
+)
+
+
+class NoFeasiblePlanError(AutoparError):
+    """No layout fits the cluster's memory: the message gives the shortfall and what to try."""
+
+
+def tp_degrees(facts: StepFacts, cluster: Cluster, cross_node_tp: bool = False) -> list[int]:
+    """TP degrees to try: inside a node, or (only when nothing else fits) whole nodes."""
+    world = cluster.world_size
+    heads = facts.heads or world
+    gpn = min(cluster.gpus_per_node, world)
+    tps = [t for t in divisors(world) if heads % t == 0 and (t <= gpn) != cross_node_tp]
+    return [t for t in tps if t % gpn == 0] if cross_node_tp else tps
+
+
+def candidate_layouts(
+    facts: StepFacts,
+    cluster: Cluster,
+    tps: list[int],
+    allow_fp8: bool = False,
+    max_virtual_stages: int = 2,
+    precision: str | None = None,
+) -> Iterator[Layout]:
+    """Every well-formed layout of the search space with a TP degree in ``tps``, in order."""
+    world, batch, seq = cluster.world_size, facts.batch, facts.seq
+    layers = max(facts.n_layers, 1)
+    cps = [1] + [c for c in (2, 4, 8) if seq % c == 0 and seq // c >= 2048]
+    eps = [e for e in divisors(facts.n_experts)] if facts.n_experts else [1]
+    # the model's precision (`autopar.planning.planner.model_precision`), FP8 matmuls on request
+    base = precision or default_precision(cluster)
+    precisions = (base, "fp8") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else (base,)
+    for tp in tps:
+        for cp in cps:
+            for pp in divisors(world // (tp * cp)) if world % (tp * cp) == 0 else []:
+                if pp > layers:
+                    continue
+                dp = world // (tp * cp * pp)
+                if batch % dp:
+                    continue
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules.append(("zero-bubble", 1))
+                    for v in range(2, max_virtual_stages + 1):
+                        if layers % (v * pp) == 0:
+                            schedules.append(("interleaved-1f1b", v))
+                for ep in eps:
+                    if (dp * cp) % ep:
+                        continue
+                    for mb in divisors(batch // dp):
+                        ga = batch // (dp * mb)
+                        if pp > 1 and ga < pp:
+                            continue  # a pipeline that never fills: priced, but not searched
+                        # the choices below are independent of each other
+                        choices = itertools.product(
+                            (False, True) if tp > 1 else (False,),
+                            precisions,
+                            schedules,
+                            (0, 1, 2, 3) if dp * cp > 1 else (0,),  # ZeRO shards over dp*cp
+                            ("none", "selective", "full"),
+                        )
+                        for sp, precision, (schedule, v), zero, recompute in choices:
+                            try:
+                                yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
+                                             microbatch=mb, grad_accum=ga, schedule=schedule,
+                                             virtual_stages=v, recompute=recompute,
+                                             precision=precision)
+                            except LayoutError:
+                                continue
+
+
+def search(
+    step: CapturedStep,
+    cluster: Cluster,
+    allow_fp8: bool = False,
+    progress: Callable[[str], None] | None = None,
+    executable_only: bool = False,
+    precision: str | None = None,
+) -> tuple[Layout | None, Prediction | None, StepFacts | None, dict]:
+    """Best fitting layout, its prediction and cost facts, and search statistics."""
+    best: tuple[Layout, Prediction, StepFacts, str] | None = None
+    base = step.facts()
+    stats = {"considered": 0, "fit": 0, "cross_node_tp": False}
+    smallest: list[tuple[float, Layout]] = []  # for the infeasible report
+    capacity = cluster.gpu.memory_bytes
+    last_report = time.perf_counter()
+    for cross in (False, True):
+        for tp in tp_degrees(base, cluster, cross):
+            variants = [("megatron", base)] if tp == 1 else step.tp_variants(cluster, tp)
+            for recipe_name, facts in variants:
+                for layout in candidate_layouts(facts, cluster, [tp], allow_fp8=allow_fp8,
+                                                precision=precision):
+                    stats["considered"] += 1
+                    if executable_only and unsupported_decisions(layout):
+                        continue  # autopar.parallelize searches only what it runs
+                    try:
+                        check_layout(facts, cluster, layout)
+                    except LayoutError:
+                        continue
+                    mem = predict_memory(facts, cluster, layout, check=False)
+                    if mem.total > capacity:
+                        smallest.append((mem.total, layout))
+                        if len(smallest) > 64:
+                            smallest = sorted(smallest, key=lambda x: x[0])[:8]
+                        continue
+                    stats["fit"] += 1
+                    pred = predict(facts, cluster, layout, memory=mem)
+                    if best is None or pred.step_time_s < best[1].step_time_s - 1e-12:
+                        best = (layout, pred, facts, recipe_name)
+                    if progress and best and time.perf_counter() - last_report > 1.0:
+                        last_report = time.perf_counter()
+                        progress(
+                            f"  searched {stats['considered']:,} layouts, {stats['fit']:,} fit; best "
+                            f"{best[0].short()} at {best[1].step_time_s:.3g} s/step"
+                        )
+        if best is not None:
+            stats["cross_node_tp"] = cross
+            break  # TP across nodes only when nothing inside a node fits
+    stats["closest_misses"] = [
+        (m, lay.short()) for m, lay in sorted(smallest, key=lambda x: x[0])[:5]
+    ]
+    if best is None:
+        return None, None, None, stats
+    stats["tp_recipe"] = best[3]
+    return best[0], best[1], best[2], stats
+
+
+@dataclass
+class Solution:
+    """What the search found: the layout, its price and facts, the manual grid, statistics."""
+
+    layout: Layout
+    prediction: Prediction
+    facts: StepFacts
+    manual: dict[str, tuple[Layout, Prediction] | None]
+    stats: dict
+
+
+def solve(
+    step: CapturedStep,
+    cluster: Cluster,
+    model: str = "",
+    allow_fp8: bool = False,
+    compare_manual: bool = True,
+    progress: Callable[[str], None] | None = None,
+    executable_only: bool = False,
+    precision: str | None = None,
+) -> Solution:
+    """The fastest layout of ``step`` that fits ``cluster``; raises `NoFeasiblePlanError`.
+
+    executable_only: search only what `autopar.parallelize` executes today
+    (`unsupported_decisions` is empty), as parallelize asks.
+    """
+    t0 = time.perf_counter()
+    base = step.facts()
+    # The model state alone, sharded as thinly as ZeRO-3 can (bf16 weights and gradients, fp32
+    # master and Adam: 16 bytes per parameter), must fit beside the reserve.
+    floor = base.num_params * 16 / cluster.world_size + RESERVE_BYTES
+    if floor > cluster.gpu.memory_bytes:
+        raise NoFeasiblePlanError(
+            f"{model or 'the model'} has {base.num_params / 1e9:.1f} B parameters: even sharded "
+            f"over all {cluster.world_size} devices its weights, gradients and Adam state need "
+            f"{floor / 2**30:.1f} GiB per device (with the runtime reserve) and "
+            f"{cluster.gpu.name} has {cluster.gpu.memory_bytes / 2**30:.1f} GiB, short by "
+            f"{(floor - cluster.gpu.memory_bytes) / 2**30:.1f} GiB; fix: at least "
+            f"{int(base.num_params * 16 // (cluster.gpu.memory_bytes - RESERVE_BYTES)) + 1} devices"
+        )
+    if progress:
+        progress(f"searching layouts of {model or 'the model'} on {cluster.world_size} devices ...")
+    layout, pred, facts, stats = search(step, cluster, allow_fp8=allow_fp8, progress=progress,
+                                        executable_only=executable_only, precision=precision)
+    if layout is None:
+        raise NoFeasiblePlanError(_infeasible_message(step.facts(), cluster, stats))
+    manual = best_manual(step, cluster) if compare_manual else {}
+    stats.update({
+        "method": "search over layouts (memory-pruned) x TP placement ILP",
+        "ilp": step.ilp_stats(),
+        "time_s": time.perf_counter() - t0,
+        "evaluated": stats["fit"],  # every layout that fits is priced
+        "manual_best": {k: (v[0].short(), v[1].step_time_s) if v else None for k, v in manual.items()},
+    })
+    if progress:
+        progress(f"done in {stats['time_s']:.1f} s: {layout.short()}")
+    return Solution(layout, pred, facts, manual, stats)
+
+
+def unsupported_decisions(layout: Layout) -> list[str]:
+    """The decisions of ``layout`` that `autopar.parallelize` cannot execute yet, in words."""
+    out = []
+    if layout.pp > 1:
+        out.append(f"pipeline parallelism (pp={layout.pp})")
+    if layout.cp > 1:
+        out.append(f"context parallelism (cp={layout.cp})")
+    if layout.ep > 1:
+        out.append(f"expert parallelism (ep={layout.ep})")
+    if layout.recompute != "none":
+        out.append(f"activation recomputation (recompute={layout.recompute!r})")
+    if layout.precision == "fp8":
+        out.append("FP8 matmuls (precision='fp8')")
+    return out
+
+
+def _infeasible_message(facts: StepFacts, cluster: Cluster, stats: dict) -> str:
+    capacity = cluster.gpu.memory_bytes
+    misses = stats.get("closest_misses") or []
+    if not misses:
+        return (
+            f"no layout can split a global batch of {facts.batch} sequence(s) of {facts.seq} over "
+            f"{cluster.world_size} devices: data parallelism must divide the batch, and tensor, "
+            f"pipeline and context parallelism are bounded by the heads, the "
+            f"{facts.n_layers} blocks and the sequence; raise the global batch (a multiple of "
+            f"{cluster.world_size} sequences always works) or plan for fewer devices"
+        )
+    lines = [
+        f"no layout of this step fits {cluster.gpu.name} memory ({capacity / 2**30:.1f} GiB per "
+        f"device) on {cluster.world_size} devices; {stats['considered']:,} layouts tried."
+    ]
+    for mem, short in misses:
+        lines.append(
+            f"  {short}: needs {mem / 2**30:.1f} GiB, short by {(mem - capacity) / 2**30:.1f} GiB"
+        )
+    state = facts.num_params * 18 / cluster.world_size  # bf16 + fp32 master + Adam, fully sharded
+    lines.append(
+        f"  the model state alone needs {state / 2**30:.1f} GiB per device when sharded over all "
+        f"{cluster.world_size} devices; fix: more nodes, a smaller global batch per device, or a "
+        "smaller model"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""The plan as plain data: every decision the solver takes, in the form the passes read.
+
+The solver (autopar/search) writes a `PlanDecisions`; `autopar.Plan` holds it and round-trips it
+through JSON; each pass takes its own part as one typed argument (`DataParallelPlan`,
+`TensorParallelPlan`) and the runtime reads the rest (micro-batches, stages). This module
+imports nothing but the standard library and `cost.layout`, so passes/ and runtime/ depend on
+the plan's data, never on the solver or the front that produced it.
+
+Placements use DTensor's vocabulary, per mesh axis, as the runtime really lays the parameter
+out: ZeRO's row shards included (``Shard(0)`` on "dp"; when TP shards dim 0 too, the rows of the
+TP shard, DTensor's ``_StridedShard(0, sf=tp)``), and a fused projection split per part
+(``_StridedShard(0, sf=3)`` for GPT-2's q/k/v in one weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from cost.layout import Layout
+
+REPLICATE, SHARD, STRIDED = "replicate", "shard", "strided"
+LOSS = "<loss>"  # what the loss's accumulator input of a graph accumulates
+MESH_ORDER = ("dp", "pp", "cp", "tp")  # outermost first; TP innermost (playbook rank order)
+
+
+@dataclass(frozen=True)
+class AxisPlacement:
+    """How a tensor is laid out over one mesh axis: replicated, or split along ``dim``.
+
+    split_factor > 1 (kind "strided"): the tensor is first cut into ``split_factor`` equal
+    parts along ``dim`` and each part is split over the axis (rank i holds slice i of every
+    part), as DTensor's ``_StridedShard``.
+    """
+
+    kind: str = REPLICATE
+    dim: int | None = None
+    split_factor: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in (REPLICATE, SHARD, STRIDED):
+            raise ValueError(f"AxisPlacement.kind={self.kind!r}: replicate, shard or strided")
+        if (self.kind == REPLICATE) != (self.dim is None):
+            raise ValueError("AxisPlacement: a shard needs a dim, a replica none")
+        if (self.kind == STRIDED) != (self.split_factor > 1):
+            raise ValueError("AxisPlacement: strided placements have split_factor > 1")
+
+    @classmethod
+    def replicate(cls) -> AxisPlacement:
+        return cls()
+
+    @classmethod
+    def shard(cls, dim: int, split_factor: int = 1) -> AxisPlacement:
+        return cls(STRIDED if split_factor > 1 else SHARD, dim, split_factor)
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind != REPLICATE
+
+    def __str__(self) -> str:
+        if self.kind == REPLICATE:
+            return "Replicate()"
+        if self.kind == SHARD:
+            return f"Shard({self.dim})"
+        return f"_StridedShard({self.dim}, sf={self.split_factor})"
+
+    @classmethod
+    def parse(cls, text: str) -> AxisPlacement:
+        """Inverse of `str` (the JSON spelling)."""
+        text = text.strip()
+        if text in ("Replicate()", "Replicate"):
+            return cls.replicate()
+        if text.startswith("Shard(") and text.endswith(")"):
+            return cls.shard(int(text[len("Shard("):-1]))
+        if text.startswith("_StridedShard(") and text.endswith(")"):
+            dim, sf = text[len("_StridedShard("):-1].split(",")
+            return cls.shard(int(dim), int(sf.split("=")[-1]))
+        raise ValueError(f"placement {text!r}: expected Shard(d), _StridedShard(d, sf=k) or Replicate()")
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter's decisions: its placement on every mesh axis, and why."""
+
+    shape: tuple[int, ...]
+    placements: dict[str, AxisPlacement]  # mesh axis -> placement, as it runs
+    tp_role: str = "replicated"  # col | row | vocab | replicated (tp_recipe's roles)
+    zero_sharded: bool = False  # ZeRO keeps 1/dp of its rows on each data-parallel rank
+    fused_parts: int = 1  # a fused projection (q, k, v in one weight) split per part over TP
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """An op that runs replicated because it cannot run on shards, and why."""
+
+    op: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """Bucketing and prefetching of the data-parallel collectives."""
+
+    bucket_bytes: int = 25 * 2**20  # DDP's default bucket_cap_mb
+    first_bucket_bytes: int = 2**20  # DDP's first bucket: the first reduction starts early
+    prefetch_blocks: int = 1  # ZeRO gathers the next block's weights while one computes
+    reduce_scatter: bool = True  # ZeRO reduces by reduce-scatter (False: all-reduce, gloo)
+
+
+@dataclass
+class PlanDecisions:
+    """Every decision of a plan, as plain data (see the module docstring)."""
+
+    layout: Layout
+    params: dict[str, ParamPlan]
+    stages: list[tuple[int, int]] = field(default_factory=list)  # (first, last block) per stage
+    recompute: list[str] = field(default_factory=list)  # forward values recomputed in backward
+    fp8: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
+    comm: CommPlan = field(default_factory=CommPlan)
+    fallbacks: list[Fallback] = field(default_factory=list)
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Mesh axes and sizes, outermost first (axes of size > 1, and dp always)."""
+        sizes = {"dp": self.layout.dp, "pp": self.layout.pp, "cp": self.layout.cp, "tp": self.layout.tp}
+        return {k: sizes[k] for k in MESH_ORDER if sizes[k] > 1 or k == "dp"}
+
+    def placement_strings(self) -> dict[str, dict[str, str]]:
+        """parameter -> mesh axis -> DTensor spelling (``plan.placements``)."""
+        return {name: {axis: str(p) for axis, p in pp.placements.items()} for name, pp in self.params.items()}
+
+    def data_parallel(self) -> DataParallelPlan:
+        """The data-parallel pass's part."""
+        return DataParallelPlan(zero=self.layout.zero,
+                                sharded=frozenset(n for n, p in self.params.items() if p.zero_sharded),
+                                comm=self.comm)
+
+    def tensor_parallel(self) -> TensorParallelPlan:
+        """The tensor-parallel pass's part."""
+        return TensorParallelPlan(
+            placements={n: p.placements.get("tp", AxisPlacement()) for n, p in self.params.items()},
+            sequence_parallel=self.layout.sp,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (inverse: `from_dict`)."""
+        return {
+            "layout": self.layout.to_dict(),
+            "params": {n: {"shape": list(p.shape), "placements": {a: str(x) for a, x in p.placements.items()},
+                           "tp_role": p.tp_role, "zero_sharded": p.zero_sharded, "fused_parts": p.fused_parts}
+                       for n, p in self.params.items()},
+            "stages": [list(s) for s in self.stages],
+            "recompute": list(self.recompute),
+            "fp8": list(self.fp8),
+            "comm": asdict(self.comm),
+            "fallbacks": [asdict(f) for f in self.fallbacks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PlanDecisions:
+        """Inverse of `to_dict`."""
+        return cls(
+            layout=Layout.from_dict(data["layout"]),
+            params={n: ParamPlan(shape=tuple(p["shape"]),
+                                 placements={a: AxisPlacement.parse(x) for a, x in p["placements"].items()},
+                                 tp_role=p["tp_role"], zero_sharded=p["zero_sharded"],
+                                 fused_parts=p.get("fused_parts", 1))
+                    for n, p in data["params"].items()},
+            stages=[tuple(s) for s in data["stages"]],
+            recompute=list(data["recompute"]),
+            fp8=list(data["fp8"]),
+            comm=CommPlan(**data["comm"]),
+            fallbacks=[Fallback(**f) for f in data["fallbacks"]],
+        )
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """What the data-parallel pass executes: the ZeRO stage, which weights it shards (dim 0
+    over the dp axis), and the bucketing of its collectives."""
+
+    zero: int
+    sharded: frozenset[str]
+    comm: CommPlan = field(default_factory=CommPlan)
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """What the tensor-parallel pass executes: every weight's placement on the TP axis, and
+    whether activations outside the matmuls are sharded on the sequence (SP)."""
+
+    placements: dict[str, AxisPlacement]
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The process group of one mesh axis as a pass sees it: its name, size and this rank."""
+
+    name: str
+    size: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    """What feeds a joint graph's placeholders and reads its outputs.
+
+    inputs: (kind, name) per placeholder, kind param | buffer | input | tangent | accum;
+    placeholders: the placeholder node names, in order; grad_index: parameter -> output index
+    of its gradient; loss_index: output index of the loss; buffer_index: buffer -> output index
+    of its new value, for buffers the forward updates (BatchNorm statistics).
+    """
+
+    inputs: list[tuple[str, str]]
+    placeholders: list[str]
+    grad_index: dict[str, int]
+    loss_index: int
+    buffer_index: dict[str, int] = field(default_factory=dict)
+
+    def placeholder_of(self, kind: str) -> dict[str, str]:
+        """name -> placeholder node name, for the inputs of one kind."""
+        return {name: node for (k, name), node in zip(self.inputs, self.placeholders) if k == kind}

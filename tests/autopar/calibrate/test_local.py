@@ -1,0 +1,97 @@
+"""Tests for autopar.calibrate.local: a quick run writes the JSON contract that cost.Cluster reads."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from autopar.calibrate import local as cal
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_quick_calibration_writes_complete_json(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "c.json"  # parent dirs are created
+    lines: list[str] = []
+    data = cal.calibrate(world_sizes=(2,), path=path, quick=True, progress=lines.append)
+
+    loaded = json.loads(path.read_text())
+    assert loaded == json.loads(json.dumps(data))  # the file is exactly what was returned
+
+    assert set(loaded) == {
+        "version",
+        "host",
+        "date",
+        "torch",
+        "world_size",
+        "matmul_flops",
+        "memory_bw",
+        "kernel_floor_s",
+        "collectives",
+        "raw",
+    }
+    assert loaded["version"] == 1
+    assert loaded["world_size"] == 2
+    assert isinstance(loaded["host"], str) and loaded["host"]
+    assert isinstance(loaded["torch"], str) and loaded["torch"]
+    assert isinstance(loaded["date"], str) and loaded["date"][:2] == "20"
+
+    assert set(loaded["matmul_flops"]) == {"fp32", "bf16"}
+    assert all(_positive_finite(v) for v in loaded["matmul_flops"].values())
+    assert _positive_finite(loaded["memory_bw"])
+    assert _positive_finite(loaded["kernel_floor_s"])
+    assert loaded["kernel_floor_s"] < 1e-2  # a 16-element add is microseconds, not more
+
+    assert set(loaded["collectives"]) == set(cal.COLLECTIVES)
+    for kind, c in loaded["collectives"].items():
+        assert set(c) == {"latency_s", "busbw"}, kind
+        assert _positive_finite(c["latency_s"]) and _positive_finite(c["busbw"]), (kind, c)
+
+    raw = loaded["raw"]
+    assert raw["threads"]["intra_op"] >= 1
+    assert raw["collectives"]["all_reduce"]["factor"] == pytest.approx(1.0)  # 2(n-1)/n, n=2
+    assert raw["collectives"]["send_recv"]["factor"] == 1.0
+    assert any(line.startswith("matmul fp32") for line in lines)
+    assert any(line.startswith("all_reduce") for line in lines)
+
+    table = cal.format_calibration(loaded)
+    for word in ("matmul fp32", "memory bandwidth", "kernel floor", *cal.COLLECTIVES):
+        assert word in table
+
+
+def test_default_path_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "x.json"))
+    assert cal.default_calibration_path() == tmp_path / "x.json"
+    monkeypatch.delenv("AUTOPAR_CALIBRATION")
+    assert cal.default_calibration_path().parts[-3:] == (".cache", "autopar", "calibration.json")
+
+
+def test_fit_recovers_latency_and_busbw() -> None:
+    latency, busbw = 50e-6, 2e9
+    xs = [4096.0, 1.0 * 2**20, 4.0 * 2**20, 16.0 * 2**20]
+    ts = [latency + x / busbw for x in xs]
+    fl, fb = cal._fit_latency_busbw(xs, ts)
+    assert fl == pytest.approx(latency, rel=1e-6)
+    assert fb == pytest.approx(busbw, rel=1e-6)
+
+
+def test_fit_clamps_negative_latency() -> None:
+    # Times that extrapolate to a negative intercept: the latency is clamped, busbw stays sane.
+    xs = [1e6, 2e6, 4e6]
+    ts = [0.4e-3, 1.0e-3, 2.2e-3]
+    fl, fb = cal._fit_latency_busbw(xs, ts)
+    assert fl == 0.0
+    assert 1e9 < fb < 4e9
+
+
+def test_bus_factors() -> None:
+    assert cal._bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert cal._bus_factor("all_gather", 4) == pytest.approx(0.75)
+    assert cal._bus_factor("reduce_scatter", 4) == pytest.approx(0.75)
+    assert cal._bus_factor("all_to_all", 4) == pytest.approx(0.75)
+    assert cal._bus_factor("send_recv", 4) == 1.0

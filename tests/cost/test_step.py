@@ -1,0 +1,143 @@
+"""Predicted step time and memory of layouts, on a captured llama3-8b-wide step (2 blocks)."""
+
+import pytest
+
+from autopar.search.facts import build_step_facts
+from cost import Cluster, Layout, LayoutError
+from cost.step import predict, predict_memory
+
+H100_8 = Cluster("h100", nodes=1, gpus_per_node=8)
+
+
+def test_model_state_memory_follows_the_zero_formulas(llama_step):
+    _, model, _, step = llama_step
+    facts = step.facts()
+    psi = sum(p.numel() for p in model.parameters())
+    for zero, (params, grads, opt) in {
+        0: (2, 6, 12),  # bf16 weights; bf16 grads + fp32 accumulation; fp32 master + Adam m, v
+        1: (2, 6, 12 / 8),
+        2: (2, 6 / 8, 12 / 8),
+        3: (2 / 8, 6 / 8, 12 / 8),
+    }.items():
+        mem = predict(facts, H100_8, Layout(dp=8, zero=zero, microbatch=1, grad_accum=2)).memory_breakdown
+        assert mem["params"] == pytest.approx(params * psi, rel=1e-6)
+        assert mem["grads"] == pytest.approx(grads * psi, rel=1e-6)
+        assert mem["optimizer"] == pytest.approx(opt * psi, rel=1e-6)
+        assert set(mem) == {"params", "grads", "optimizer", "activations", "buffers", "reserve"}
+
+
+def test_activations_scale_with_microbatch_and_shrink_with_tp_sp_and_recompute(llama_step):
+    facts = llama_step[3].facts()
+
+    def act(**kw):
+        base = dict(dp=8, microbatch=1, grad_accum=2)
+        base.update(kw)
+        return predict_memory(facts, H100_8, Layout(**base)).activations
+
+    # (the rotary tables are the same for any batch: linear up to them)
+    assert act(microbatch=2, grad_accum=1) == pytest.approx(2 * act(), rel=1e-2)
+    sp = act(dp=1, tp=8, sp=True, microbatch=2, grad_accum=8)
+    no_sp = act(dp=1, tp=8, microbatch=2, grad_accum=8)
+    assert sp < no_sp < 2 * act()
+    assert act(recompute="full") < act(recompute="selective") < act()
+
+
+def test_fits_reports_the_memory_wall(llama_step):
+    facts = llama_step[3].facts()
+    small = predict(facts, H100_8, Layout(dp=8, zero=1, microbatch=1, grad_accum=2))
+    assert small.fits and small.memory_per_device_bytes < H100_8.gpu.memory_bytes
+    big = predict(facts.rebatch(64), Cluster("h100", nodes=1, gpus_per_node=1), Layout(microbatch=64))
+    assert not big.fits and big.memory_per_device_bytes > H100_8.gpu.memory_bytes
+
+
+def test_more_data_parallelism_shortens_the_step_and_tp_costs_communication(llama_step):
+    facts = llama_step[3].facts()
+    one = predict(facts, Cluster("h100", nodes=1, gpus_per_node=1), Layout(microbatch=1, grad_accum=16))
+    eight = predict(facts, H100_8, Layout(dp=8, microbatch=1, grad_accum=2))
+    assert eight.step_time_s < one.step_time_s / 4
+    tp = predict(facts, H100_8, Layout(tp=8, sp=True, microbatch=1, grad_accum=16))
+    assert tp.time_breakdown["tp_comm_s"] > 0
+    assert tp.time_breakdown["dp_comm_total_s"] == 0
+
+
+def test_pipeline_bubble_shrinks_with_more_microbatches(llama_step):
+    facts = llama_step[3].facts()
+    cluster = Cluster("h100", nodes=1, gpus_per_node=2)
+    few = predict(facts, cluster, Layout(pp=2, microbatch=8, grad_accum=2))
+    many = predict(facts, cluster, Layout(pp=2, microbatch=1, grad_accum=16))
+    frac = lambda p: p.time_breakdown["pp_bubble_s"] / p.step_time_s  # noqa: E731
+    assert frac(few) > frac(many) > 0
+
+
+def test_rebatch_is_linear(llama_step):
+    facts = llama_step[3].facts()
+    a = predict(facts, H100_8, Layout(dp=8, microbatch=1, grad_accum=2))
+    b = predict(facts.rebatch(32), H100_8, Layout(dp=8, microbatch=1, grad_accum=4))
+    assert b.time_breakdown["compute_s"] == pytest.approx(2 * a.time_breakdown["compute_s"], rel=1e-6)
+    assert b.memory_breakdown["activations"] == pytest.approx(a.memory_breakdown["activations"], rel=1e-3)
+
+
+def test_fp8_speeds_up_matmuls_where_the_gpu_has_it(llama_step):
+    facts = llama_step[3].facts()
+    lay = Layout(dp=8, microbatch=2, grad_accum=1)
+    bf16 = predict(facts, H100_8, lay)
+    fp8 = predict(facts, H100_8, lay.replace(precision="fp8"))
+    assert fp8.step_time_s < bf16.step_time_s
+    with pytest.raises(LayoutError, match="FP8"):
+        predict(facts, Cluster("a100", nodes=1, gpus_per_node=8), lay.replace(precision="fp8"))
+
+
+def test_fused_kernels_move_fewer_bytes_than_eager(llama_step):
+    _, _, _, step = llama_step
+
+    eager = build_step_facts(step.graph, step.analysis, step.config, fused=False)
+    lay = Layout(dp=8, microbatch=1, grad_accum=2)
+    assert predict(step.facts(), H100_8, lay).step_time_s < predict(eager, H100_8, lay).step_time_s
+
+
+@pytest.mark.parametrize(
+    "layout, cluster, message",
+    [
+        (Layout(dp=4, microbatch=2, grad_accum=2), H100_8, "multiply to 8"),
+        (Layout(dp=1, tp=8, microbatch=2, grad_accum=8), Cluster("h100", nodes=1, gpus_per_node=8), None),
+        (Layout(dp=8, microbatch=3, grad_accum=1), H100_8, "batch of 16"),
+        (Layout(dp=2, tp=3, microbatch=8, grad_accum=1), Cluster("h100", nodes=1, gpus_per_node=6), "attention heads"),
+        (Layout(pp=4, microbatch=1, grad_accum=16), Cluster("h100", nodes=1, gpus_per_node=4), "repeated blocks"),
+    ],
+)
+def test_bad_layouts_name_the_problem(llama_step, layout, cluster, message):
+    facts = llama_step[3].facts()
+    if message is None:
+        predict(facts, cluster, layout)  # a valid layout: no error
+        return
+    with pytest.raises(LayoutError, match=message):
+        predict(facts, cluster, layout)
+
+
+def test_layout_validates_its_own_fields():
+    with pytest.raises(LayoutError, match="ZeRO stage"):
+        Layout(zero=4)
+    with pytest.raises(LayoutError, match="grad_accum"):
+        Layout(pp=4, grad_accum=2)
+    with pytest.raises(LayoutError, match="schedule"):
+        Layout(schedule="gpipe-ish")
+
+
+def test_cpu_ranks_expose_all_communication(llama_step):
+    """CPU ranks hide nothing behind compute (gloo shares their cores): TP collectives cost what
+    they take, and under SP the norms' gradient all-reduces and the parallel loss's three
+    all-reduces (latency-bound) are priced as well."""
+    from cost.step import _tp_small_collectives, axis_group, collective_time
+
+    facts = llama_step[3].facts()
+    cpu = Cluster("cpu", nodes=1, gpus_per_node=4)
+    lay = Layout(tp=4, sp=True, microbatch=facts.batch, precision="fp32")
+    group = axis_group(cpu, 4, 1)
+    small = _tp_small_collectives(facts, cpu, lay, 1.0, facts.n_layers, group)
+    replicated = [p for p, sharded in facts.param_tp_sharded.items() if not sharded]
+    assert len(replicated) == 2 * facts.n_layers + 1  # two norms per block and the final one
+    assert small.sum() > 3 * collective_time("all_reduce", 4.0 * facts.batch * facts.seq, group, cpu)
+    no_sp = Layout(tp=4, microbatch=facts.batch, precision="fp32")
+    assert _tp_small_collectives(facts, cpu, no_sp, 1.0, facts.n_layers, group).sum() < small.sum()
+    cpu_tp = predict(facts, cpu, lay).time_breakdown["tp_comm_s"]
+    assert cpu_tp >= small.sum()
