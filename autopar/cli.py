@@ -86,7 +86,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"sequences of {seq}: use a multiple of {seq}"
         )
     batch = args.global_batch_tokens // seq
-    model = models.build(args.model, device="meta", dtype=torch.bfloat16)
+    # a GPU model is planned in bf16; CPU ranks train the zoo's fp32 models
+    dtype = torch.float32 if cluster.gpu.is_cpu else torch.bfloat16
+    model = models.build(args.model, device="meta", dtype=dtype)
     inputs = models.example_inputs(args.model, batch=batch, seq=seq, device="meta")
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.quiet else None
     result = plan(model, inputs, cluster=cluster, layout=_layout_from_args(args), progress=progress,

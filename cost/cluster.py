@@ -359,6 +359,32 @@ class Cluster:
             source=f"this machine, {where}",
         )._renamed("local")
 
+    @classmethod
+    def detect(cls, nodes: int | None = None) -> Cluster:
+        """The cluster of the GPUs this process sees: their kind's profile (by device name),
+        the GPUs per node (``LOCAL_WORLD_SIZE`` under torchrun, else the devices visible) and
+        the nodes (``nodes``, else the process group's world size over the GPUs per node)."""
+        import torch  # the cost model itself needs no torch; detection does
+        import torch.distributed as dist
+
+        if not torch.cuda.is_available():
+            raise ValueError("Cluster.detect() found no CUDA device: on CPU ranks use "
+                             "Cluster.local(), for planning name a profile: Cluster('h100', nodes=...)")
+        device = torch.cuda.get_device_name(0).lower()
+        # the profile of each GPU kind, matched on the name CUDA reports ("NVIDIA H100 80GB HBM3")
+        known = {"h200": "h200", "h100": "h100", "a100": "a100"}
+        name = next((v for k, v in known.items() if k in device), None)
+        if name is None:
+            raise ValueError(f"Cluster.detect(): no profile for the GPU {device!r}; name one with "
+                             f"Cluster(<profile>, nodes=...) (profiles: {', '.join(PROFILES)}) or fit "
+                             "one with `autopar calibrate`")
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+        if nodes is None:
+            world = dist.get_world_size() if dist.is_initialized() else per_node
+            nodes = max(1, world // per_node)
+            per_node = min(per_node, world)
+        return cls(name, nodes=nodes, gpus_per_node=per_node)
+
     def _renamed(self, name: str) -> Cluster:
         self.name = name
         return self

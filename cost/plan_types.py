@@ -139,6 +139,7 @@ class PlanDecisions:
         return TensorParallelPlan(
             placements={n: p.placements.get("tp", AxisPlacement()) for n, p in self.params.items()},
             sequence_parallel=self.layout.sp,
+            replicated_ops=frozenset(f.op for f in self.fallbacks),
         )
 
     def to_dict(self) -> dict:
@@ -185,11 +186,13 @@ class DataParallelPlan:
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """What the tensor-parallel pass executes: every weight's placement on the TP axis, and
-    whether activations outside the matmuls are sharded on the sequence (SP)."""
+    """What the tensor-parallel pass executes: every weight's placement on the TP axis, whether
+    activations outside the matmuls are sharded on the sequence (SP), and the ops the plan runs
+    replicated (their inputs gathered first, whatever DTensor would do with them)."""
 
     placements: dict[str, AxisPlacement]
     sequence_parallel: bool = False
+    replicated_ops: frozenset[str] = frozenset()  # ops the plan runs replicated (no strategy)
 
 
 @dataclass(frozen=True)

@@ -31,17 +31,15 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from cost.plan_types import LOSS
+from cost.plan_types import LOSS, AxisGroup, CommPlan, DataParallelPlan, GraphSignature
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
-# DDP's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel docs): large enough to
-# amortise a collective's latency, small enough to start reducing early in the backward. DDP's
-# first bucket is smaller (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) so that the first
-# reduction starts as soon as the last layers' gradients exist.
-BUCKET_BYTES = 25 * 2**20
-FIRST_BUCKET_BYTES = 2**20
+# The default bucket sizes are the plan's (`cost.plan_types.CommPlan`: DDP's bucket_cap_mb and
+# first bucket).
+BUCKET_BYTES = CommPlan().bucket_bytes
+FIRST_BUCKET_BYTES = CommPlan().first_bucket_bytes
 
 
 def _collective(graph: fx.Graph, op, args: tuple, reason: str, like: fx.Node) -> fx.Node:
@@ -62,42 +60,44 @@ def shardable(shape: tuple[int, ...], n: int) -> bool:
 
 def apply_data_parallel(
     gm: fx.GraphModule,
-    params: dict[str, str],
-    grads: dict[str, int],
-    loss_index: int,
+    signature: GraphSignature,
     shapes: dict[str, tuple[int, ...]],
-    zero: int,
-    group_size: int,
-    group_name: str,
-    seed: str,
-    rank: int,
-    reduce_scatter: bool = True,
+    plan: DataParallelPlan,
+    group: AxisGroup,
     sync: str = "reduce",
-) -> set[str]:
-    """Rewrite ``gm`` in place for data parallelism over a group of ``group_size`` ranks.
+) -> None:
+    """Rewrite ``gm`` in place for data parallelism over ``group`` (the "dp" mesh axis).
 
-    params: parameter name -> placeholder node name; grads: parameter name -> output index;
-    loss_index: output index of the (local) loss, averaged over the group as well; seed: the
-    placeholder of the loss's seed gradient (scaled by 1/n: the gradients become means); rank:
-    this rank's index in the group. reduce_scatter: ZeRO reduces gradients with reduce-scatter;
-    False reduces them with an all-reduce and keeps the rank's rows, the faster way on gloo
-    (its reduce-scatter is slower than an all-reduce of the same tensor, 38 vs 31 ms for 17 MB
-    on 4 ranks of the dev box, and its issue call copied the input synchronously, up to 100 ms
-    inside a training step, 2026-11-30).
+    signature: the graph's inputs and outputs (parameters, the loss's seed gradient, which
+    output is which gradient and the loss; the loss is averaged over the group as well);
+    shapes: each parameter's shape as this graph sees it (TP-local); plan: the ZeRO stage, the
+    weights it shards (their dim 0 must divide by the group size) and the bucketing.
+    plan.comm.reduce_scatter: ZeRO reduces gradients with reduce-scatter; False reduces them
+    with an all-reduce and keeps the rank's rows, the faster way on gloo (its reduce-scatter is
+    slower than an all-reduce of the same tensor, 38 vs 31 ms for 17 MB on 4 ranks of the dev
+    box, and its issue call copied the input synchronously, up to 100 ms inside a training
+    step, 2026-11-30).
     sync, for gradient accumulation without a reduction per micro-batch (DDP's ``no_sync``):
     "reduce" (default) reduces this graph's gradients and loss; "none" leaves them local (the
     graph of the first micro-batches); "accumulated" adds one input per gradient and one for
     the loss (placeholders with ``meta["accumulates"]`` = the parameter name, or `LOSS`), the
     local sums of the earlier micro-batches, before reducing (the last micro-batch's graph).
-    Returns the names of the parameters that are sharded (ZeRO >= 1 and divisible).
     """
     if sync not in ("reduce", "none", "accumulated"):
         raise ValueError(f"sync must be 'reduce', 'none' or 'accumulated', got {sync!r}")
+    params = signature.placeholder_of("param")
+    seed = next(iter(signature.placeholder_of("tangent").values()))
+    grads, loss_index = signature.grad_index, signature.loss_index
+    zero, n, group_name, rank = plan.zero, group.size, group.name, group.rank
+    reduce_scatter = plan.comm.reduce_scatter
+    for name in plan.sharded:
+        if not shardable(shapes[name], n):
+            raise ValueError(f"the plan shards {name} {tuple(shapes[name])} over {n} data-parallel "
+                             f"ranks but its dim 0 does not divide by {n}")
     graph = gm.graph
-    n = group_size
     nodes = {node.name: node for node in graph.nodes}
     output = next(node for node in graph.nodes if node.op == "output")
-    sharded = {p for p in params if zero >= 1 and shardable(shapes[p], n)}
+    sharded = set(plan.sharded)
     accumulated = _accumulator_inputs(graph, grads, loss_index, output) if sync == "accumulated" else {}
 
     last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
@@ -111,14 +111,14 @@ def apply_data_parallel(
     order = sorted(sharded, key=lambda p: list(params).index(p))
     shards = {p: nodes[params[p]] for p in order}
     if zero:
-        _gather_per_block(graph, order, shards, n, group_name, zero)
+        _gather_per_block(graph, order, shards, n, group_name, zero, plan.comm)
     for name in order:
         nodes[params[name]].meta["autopar"] = f"ZeRO-{zero}: rank's rows of {name}"
 
     if sync == "none":  # a micro-batch before the last: gradients and loss stay local
         graph.lint()
         gm.recompile()
-        return sharded
+        return
     # gradients: averaged over the group, scattered by rows where the weight is sharded
     present = {name: outs[index] for name, index in grads.items() if outs[index] is not None}
     for name, acc in accumulated.items():  # add the earlier micro-batches' sums first
@@ -130,7 +130,7 @@ def apply_data_parallel(
             total = _node(graph, aten.add.Tensor, (present[name], acc))
         total.meta["val"] = present[name].meta["val"]
         present[name] = total
-    for bucket in _buckets(graph, present, sharded):
+    for bucket in _buckets(graph, present, sharded, plan.comm):
         reduced = _reduce_bucket(graph, bucket, present, sharded, zero, n, group_name, output, rank,
                                  reduce_scatter)
         for name, value in reduced.items():
@@ -144,7 +144,6 @@ def apply_data_parallel(
     output.args = (tuple(outs),)
     graph.lint()
     gm.recompile()
-    return sharded
 
 
 def _accumulator_inputs(graph: fx.Graph, grads: dict[str, int], loss_index: int,
@@ -165,10 +164,12 @@ def _accumulator_inputs(graph: fx.Graph, grads: dict[str, int], loss_index: int,
     return made
 
 
-def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str]) -> list[list[str]]:
+def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str],
+             comm: CommPlan) -> list[list[str]]:
     """Gradients in the order the backward produces them, cut into buckets of one kind
-    (all-reduce or reduce-scatter) and dtype of at most FIRST_BUCKET_BYTES for the first of a
-    kind, BUCKET_BYTES for the others (a gradient larger than that is a bucket of its own)."""
+    (all-reduce or reduce-scatter) and dtype of at most comm.first_bucket_bytes for the first
+    of a kind, comm.bucket_bytes for the others (a gradient larger than that is a bucket of its
+    own)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     names = sorted(grads, key=lambda name: order[grads[name]])
     buckets: list[list[str]] = []
@@ -179,7 +180,7 @@ def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str]) -> l
         kind = (name in sharded, val.dtype)
         size = val.numel() * val.element_size()
         bucket, used = open_by_kind.get(kind, ([], 0))
-        cap = BUCKET_BYTES if kind in opened else FIRST_BUCKET_BYTES
+        cap = comm.bucket_bytes if kind in opened else comm.first_bucket_bytes
         if bucket and used + size > cap:
             bucket, used = [], 0
             opened.add(kind)
@@ -191,12 +192,12 @@ def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str]) -> l
 
 
 def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.Node], n: int,
-                      group_name: str, zero: int) -> None:
+                      group_name: str, zero: int, comm: CommPlan) -> None:
     """One gather per block, block k+1's issued as block k starts computing. ZeRO-3 gathers
     again for the backward (the whole weights are dropped after each use); ZeRO-1/2 keep the
     forward's gathered weights for the backward."""
     phases = ("forward", "backward") if zero == 3 else ("forward and backward",)
-    group_of = gather_groups({name: shards[name].meta["val"] for name in order})
+    group_of = gather_groups({name: shards[name].meta["val"] for name in order}, comm.bucket_bytes)
     for phase in phases:
         users_by_block: dict[tuple, dict[str, list[fx.Node]]] = {}
         for name in order:
@@ -210,14 +211,16 @@ def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.No
         blocks = sorted(users_by_block, key=lambda b: position[firsts[b]])
         for k, block in enumerate(blocks):
             users = users_by_block[block]
-            issue_at = firsts[blocks[k - 1]] if k else firsts[block]  # prefetch one block ahead
+            # issued while the comm.prefetch_blocks blocks before it compute (prefetch)
+            issue_at = firsts[blocks[max(0, k - comm.prefetch_blocks)]]
             _gather_bucket(graph, list(users), shards, users, issue_at, firsts[block], n, group_name,
                            f"ZeRO-{zero}: gather {block[0]} for the {phase}")
 
 
-def gather_groups(weights: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.dtype]]:
+def gather_groups(weights: dict[str, torch.Tensor],
+                  bucket_bytes: int = BUCKET_BYTES) -> dict[str, tuple[str, torch.dtype]]:
     """The group each weight is gathered with (ZeRO): its block and dtype (a concatenation must
-    not promote). A model without numbered blocks is cut into pieces of at most BUCKET_BYTES in
+    not promote). A model without numbered blocks is cut into pieces of at most bucket_bytes in
     parameter order instead: one group would gather the whole model at once."""
     if any(_block_of(name) for name in weights):
         return {name: (f"block {_block_of(name)}'s weights" if _block_of(name) else "the weights outside the blocks",
@@ -225,7 +228,7 @@ def gather_groups(weights: dict[str, torch.Tensor]) -> dict[str, tuple[str, torc
     groups, piece, used = {}, 0, 0
     for name, w in weights.items():
         size = w.numel() * w.element_size()
-        if used and used + size > BUCKET_BYTES:
+        if used and used + size > bucket_bytes:
             piece, used = piece + 1, 0
         used += size
         groups[name] = (f"bucket {piece} of the weights", w.dtype)

@@ -17,6 +17,13 @@ explicit rather than left to DTensor's cost heuristics:
   all-gather with it), so DTensor never chooses to gather a weight instead;
 - every gradient leaves with its weight's placement, the loss replicated.
 
+A fused projection (GPT-2's qkv = [Wq; Wk; Wv]) is column-parallel per part:
+``_StridedShard(0, split_factor=3)``, rank r holds [Wq_r; Wk_r; Wv_r], so its output
+[b, s, 3h/t] is [q_r | k_r | v_r] and the local view [b, s, 3, heads/t, head_dim] is rank r's
+heads. DTensor's view rules split such a strided dim into (parts, heads, head_dim) as Shard on
+the heads (a local view), and merge the backward's [b, s, 3, heads, head_dim] back into a
+strided [b, s, 3h]; the weight's gradient leaves as the weight's strided shard.
+
 Ops with no DTensor strategy (e.g. MoE's index_add) run replicated, with a warning naming them.
 Each collective in the traced graph carries ``meta["autopar"]``: the decision behind it.
 """
@@ -33,10 +40,14 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from cost.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 
 aten = torch.ops.aten
 
@@ -65,47 +76,46 @@ class TensorParallelGraph:
     fallback_ops: list[str]
 
 
-def parse_placement(text: str):
-    """``"Shard(1)"`` / ``"Replicate()"`` (the Plan's spelling) -> a DTensor placement."""
-    text = text.strip()
-    if text.startswith("Shard(") and text.endswith(")"):
-        return Shard(int(text[len("Shard("):-1]))
-    if text in ("Replicate()", "Replicate"):
+def to_dtensor_placement(placement: AxisPlacement):
+    """The plan's placement on one mesh axis as a DTensor placement."""
+    if not placement.is_shard:
         return Replicate()
-    raise ValueError(f"placement {text!r} is not executable on the TP axis (Shard(d) or Replicate())")
+    if placement.split_factor > 1:
+        return _StridedShard(placement.dim, split_factor=placement.split_factor)
+    return Shard(placement.dim)
 
 
 def apply_tensor_parallel(
     gm: fx.GraphModule,
-    inputs: Sequence[tuple[str, str]],
+    signature: GraphSignature,
     shapes: Sequence[tuple[int, ...]],
-    param_placements: dict[str, object],
+    plan: TensorParallelPlan,
     mesh: DeviceMesh,
-    sequence_parallel: bool,
-    grad_outputs: dict[int, str],
-    loss_index: int,
 ) -> TensorParallelGraph:
     """Trace ``gm`` (global shapes) into the graph one TP rank of ``mesh`` (1-D) runs.
 
-    inputs: (kind, name) per placeholder, kind param | buffer | input | tangent;
-    shapes: the placeholders' global shapes; param_placements: parameter -> TP placement
-    (absent: replicated); grad_outputs: output index -> parameter whose gradient it is.
-    The traced graph keeps the placeholder and output order of ``gm``.
+    signature: what feeds ``gm``'s placeholders and reads its outputs; shapes: the
+    placeholders' global shapes; plan: every weight's TP placement (absent: replicated) and
+    whether SP is on. The traced graph keeps the placeholder and output order of ``gm``.
     """
     _register_cpu_attention()
+    inputs = signature.inputs
+    param_placements = {n: to_dtensor_placement(p) for n, p in plan.placements.items()}
+    grad_outputs = {i: n for n, i in signature.grad_index.items()}
     t = mesh.size()
     placements = []
     for (kind, name), shape in zip(inputs, shapes):
         p = param_placements.get(name, Replicate()) if kind == "param" else Replicate()
-        if isinstance(p, Shard) and shape[p.dim] % t:
-            raise ValueError(f"{name} {tuple(shape)}: dim {p.dim} does not divide by the TP degree {t}")
+        if _is_shard(p) and shape[p.dim] % (t * _parts(p)):
+            raise ValueError(f"{name} {tuple(shape)}: dim {p.dim} does not divide into {_parts(p)} "
+                             f"part(s) of the TP degree {t}")
         placements.append(p)
     local_shapes = [_local_shape(shape, p, t) for shape, p in zip(shapes, placements)]
     ids = next(shape for (kind, _), shape in zip(inputs, shapes) if kind == "input")
     tokens = (ids[0], ids[1] if len(ids) > 1 else 1)
-    interp = _Interpreter(gm, mesh, placements, shapes, sequence_parallel, tokens, grad_outputs,
+    interp = _Interpreter(gm, mesh, placements, shapes, plan.sequence_parallel, tokens, grad_outputs,
                           {i: param_placements.get(n, Replicate()) for i, n in grad_outputs.items()},
-                          loss_index)
+                          signature.loss_index, plan.replicated_ops)
 
     dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [torch.empty(s, dtype=d) for s, d in zip(local_shapes, dtypes)]
@@ -124,7 +134,7 @@ def apply_tensor_parallel(
 
 def _local_shape(shape, placement, t: int) -> tuple[int, ...]:
     shape = list(shape)
-    if isinstance(placement, Shard):
+    if _is_shard(placement):
         shape[placement.dim] //= t
     return tuple(shape)
 
@@ -132,7 +142,8 @@ def _local_shape(shape, placement, t: int) -> tuple[int, ...]:
 class _Interpreter:
     """Runs the global joint graph on DTensors, making the plan's redistributions explicit."""
 
-    def __init__(self, gm, mesh, placements, shapes, sp, tokens, grad_outputs, grad_placements, loss_index):
+    def __init__(self, gm, mesh, placements, shapes, sp, tokens, grad_outputs, grad_placements, loss_index,
+                 replicated_ops=frozenset()):
         self.gm = gm
         self.tokens = tokens  # (batch, seq) of this rank's inputs
         self.mesh = mesh
@@ -143,10 +154,11 @@ class _Interpreter:
         self.grad_placements = grad_placements
         self.loss_index = loss_index
         self.fallback_ops: set[str] = set()
+        self.replicated_ops = replicated_ops  # the plan's: gathered even where DTensor has a rule
         self.gathered: dict[fx.Node, DTensor] = {}
         # weights and what is read straight from them (transposes, casts, views)
         holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.weights = {n for n, p in zip(holders, placements) if isinstance(p, Shard)}
+        self.weights = {n for n, p in zip(holders, placements) if _is_shard(p)}
         for n in gm.graph.nodes:
             if n.target in _KEEPS_PARTIAL and n.all_input_nodes and n.all_input_nodes[0] in self.weights \
                     and len(n.all_input_nodes) == 1:
@@ -156,8 +168,7 @@ class _Interpreter:
         env: dict[fx.Node, object] = {}
         holders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for node, arg, placement, shape in zip(holders, local_args, self.placements, self.shapes):
-            env[node] = DTensor.from_local(arg, self.mesh, [placement], run_check=False,
-                                           shape=torch.Size(shape), stride=_contiguous_stride(shape))
+            env[node] = _placed(arg, self.mesh, placement, shape)
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 with fx_traceback.set_current_meta(node):  # keep partitioner_tag (fwd / bwd)
@@ -182,6 +193,8 @@ class _Interpreter:
         if node.target in _LOSS_PLAIN_ARGS:  # loss_parallel wants labels and weights plain
             args = tuple(a.to_local() if i in _LOSS_PLAIN_ARGS[node.target] and isinstance(a, DTensor)
                          and a.placements[0] == Replicate() else a for i, a in enumerate(args))
+        if str(node.target) in self.replicated_ops:
+            return self._replicated(node, args, kwargs, None)
         why = (f"TP: {node} ({_op_name(node)}) cannot run on its inputs' placements; "
                "DTensor redistributes them")
         if node.target in _PARALLEL_LOSS:
@@ -229,7 +242,7 @@ class _Interpreter:
     def _gather_column_input(self, node, args):
         """A matmul with a sharded weight operand needs its activation whole (SP all-gather)."""
         weights = [a for a, n in zip(args, node.args) if isinstance(n, fx.Node) and n in self.weights]
-        if not any(isinstance(p, Shard) for w in weights for p in w.placements):
+        if not any(_is_shard(p) for w in weights for p in w.placements):
             return args
 
         def gather(x, arg_node):
@@ -251,9 +264,10 @@ class _Interpreter:
         return self.gathered[root]
 
     def _replicated(self, node, args, kwargs, exc):
-        """No strategy shards this op: gather its inputs and run it whole on every rank."""
+        """No strategy shards this op (``exc`` from DTensor, or None where the plan says so):
+        gather its inputs and run it whole on every rank."""
         op = str(node.target)
-        if op not in self.fallback_ops:
+        if op not in self.fallback_ops and exc is not None:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             warnings.warn(f"autopar: {op} ({node}) cannot run on its inputs' TP shards ({first_line}): "
                           "it runs replicated on every TP rank, its inputs gathered", stacklevel=2)
@@ -288,6 +302,16 @@ class _Interpreter:
                 value = value.to_local()
             outs.append(value)
         return tuple(outs)
+
+
+def _is_shard(placement) -> bool:
+    """Shard(d), or a fused projection's _StridedShard(d, k) (k parts, each split over TP)."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def _parts(placement) -> int:
+    """How many equal parts a placement splits separately (q, k, v: 3); 1 for Shard(d)."""
+    return placement.split_factor if isinstance(placement, _StridedShard) else 1
 
 
 def _partial_sum(node, args) -> bool:
@@ -342,6 +366,24 @@ def _tree_wrap(out, mesh):
     if isinstance(out, (tuple, list)):
         return type(out)(_tree_wrap(o, mesh) for o in out)
     return out
+
+
+def _placed(local: torch.Tensor, mesh, placement, shape) -> DTensor:
+    """``local`` as this rank's part of a DTensor of global ``shape`` laid out by ``placement``.
+
+    A fused projection's ``_StridedShard(d, k)`` means "k parts, each split over TP", not a
+    shard order over several mesh axes (DTensor's default reading of a _StridedShard in a
+    spec). Its spec says so explicitly, as DTensor's own view rules write the strided shards
+    they produce: specs of the two readings do not match in a matmul's strategies, and DTensor
+    would gather q, k and v to multiply them.
+    """
+    stride = _contiguous_stride(shape)
+    if not isinstance(placement, _StridedShard):
+        return DTensor.from_local(local, mesh, [placement], run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype),
+                       use_strided_shard_as_shard_order=False)
+    return DTensor(local.view_as(local), spec, requires_grad=False)
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

@@ -15,12 +15,18 @@ loss is taken to be a mean over the batch, as data parallelism assumes too.) Wit
 micro-batches run it, without any gradient reduction, and the last runs ``gm``, which adds
 their sums (its "accum" inputs) and reduces once, as DDP's ``no_sync`` does; otherwise (ZeRO-2/3,
 whose gradients must stay sharded) every micro-batch reduces its own.
+
+Buffers the forward updates in place (BatchNorm's running statistics, a step counter): the
+captured graph is functional and returns their new values (``RankGraph.buffer_index``); after
+every micro-batch they are copied into the module's buffer tensors, so m micro-batches update
+them m times, as m eager forwards would. Each rank updates its own buffers from its own slice of
+the batch (as DDP without SyncBatchNorm does).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -39,6 +45,7 @@ class RankGraph:
     grad_index: dict[str, int]  # parameter name -> output index
     micro_batches: int = 1  # gradient accumulation: the graph runs once per micro-batch
     accumulate_gm: fx.GraphModule | None = None  # micro-batches before the last, if they skip the sync
+    buffer_index: dict[str, int] = field(default_factory=dict)  # buffer -> output of its new value
 
 
 class _JointStep(torch.autograd.Function):
@@ -70,6 +77,9 @@ class _JointStep(torch.autograd.Function):
                 loss = None  # the last graph returns the total
             with torch.no_grad():
                 out = (rank_graph.accumulate_gm if early else rank_graph.gm)(*args)
+                # in place, before the next micro-batch reads them: eager's running statistics
+                for name, index in rank_graph.buffer_index.items():
+                    buffers[name].copy_(out[index])
             for name, index in rank_graph.grad_index.items():
                 g = out[index]
                 if g is not None:  # out of place: a gradient may be a view the graph shares
@@ -96,6 +106,10 @@ class _JointStep(torch.autograd.Function):
 
 def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], buffers: dict,
              user_inputs: tuple) -> torch.Tensor:
-    """The step's loss, with gradients delivered to ``params`` by ``loss.backward()``."""
+    """The step's loss, with gradients delivered to ``params`` by ``loss.backward()``.
+
+    ``buffers`` (name -> the module's tensor) feed the graph's buffer inputs; those named in
+    ``rank_graph.buffer_index`` are updated in place with the step's new values.
+    """
     names = [n for n, _ in params]
     return _JointStep.apply(rank_graph, names, buffers, tuple(user_inputs), *[p for _, p in params])

@@ -1,5 +1,11 @@
 """`autopar bench block-check`: the cost model's predicted forward+backward time of single
-transformer blocks against times measured on a GPU by examples/gpu_block_check.py."""
+transformer blocks against times measured on a GPU by examples/gpu_block_check.py.
+
+The default measurement (cost/profiles/h200_block_check_2026-11-29.json) is also what the cost
+model's GEMM efficiencies were fitted on (cost/compute.py GEMM_HALF_EFFICIENCY_FLOPS, the bf16
+and fp8 asymptotes in cost/hardware.py): its GEMM rows are in-sample, its block rows held out
+(the blocks were checked, not fitted). A measurement from another run is held out throughout.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +22,19 @@ from autopar.capture.joint import capture
 from autopar.report import table
 from autopar.search.facts import build_step_facts
 from cost import Cluster, Layout
+from cost.cluster import PROFILE_DIR
+from cost.compute import gemm_efficiency
 from cost.step import node_times
 
-DEFAULT_MEASURED = Path(__file__).resolve().parent.parent / "cost" / "profiles" / "h200_block_check_2026-11-29.json"
+# The measurement ships with the cost model's profiles (package data of `cost`).
+DEFAULT_MEASURED = PROFILE_DIR / "h200_block_check_2026-11-29.json"
+# Measurement files whose GEMMs the cost model's GEMM efficiencies were fitted on (by name:
+# the file is copied, not regenerated, so its name identifies the run).
+GEMM_FIT_FILES = frozenset({DEFAULT_MEASURED.name})
+GEMM_FITTED_BY = ("GEMM_HALF_EFFICIENCY_FLOPS (cost/compute.py) and the bf16/fp8 efficiency "
+                  "asymptotes (cost/hardware.py) were fitted on these GEMMs")
+IN_SAMPLE = "in-sample (fitted)"
+HELD_OUT = "held out"
 
 
 def predicted_block_time(name: str, batch: int, seq: int, cluster: Cluster, fused: bool) -> float:
@@ -34,6 +50,7 @@ def predicted_block_time(name: str, batch: int, seq: int, cluster: Cluster, fuse
 def block_check(measured_path: str | Path = DEFAULT_MEASURED, gpu: str = "h200") -> dict:
     """Rows of predicted against measured block times; eager is priced unfused, compiled fused."""
     measured = json.loads(Path(measured_path).read_text())
+    gemm_sample = IN_SAMPLE if Path(measured_path).name in GEMM_FIT_FILES else HELD_OUT
     cluster = Cluster(gpu, nodes=1, gpus_per_node=1)
     rows = []
     for block in measured["blocks"]:
@@ -45,33 +62,38 @@ def block_check(measured_path: str | Path = DEFAULT_MEASURED, gpu: str = "h200")
                 "model": block["model"], "batch": block["batch"], "seq": block["seq"],
                 "mode": "compiled (fused)" if fused else "eager",
                 "measured_s": block[key], "predicted_s": pred, "ratio": pred / block[key],
+                "sample": HELD_OUT,
             })
     gemms = []
     for g in measured.get("gemms", []):
         flops = 2.0 * g["m"] * g["n"] * g["k"]
         for dtype in ("bf16", "fp8"):
             if f"{dtype}_s" in g:
-                from cost.compute import gemm_efficiency
-
                 pred = flops / (cluster.gpu.peak(dtype) * gemm_efficiency(flops, cluster.gpu, dtype))
                 gemms.append({"m": g["m"], "k": g["k"], "n": g["n"], "dtype": dtype,
                               "measured_s": g[f"{dtype}_s"], "predicted_s": pred,
-                              "ratio": pred / g[f"{dtype}_s"]})
-    return {"device": measured.get("info", {}), "blocks": rows, "gemms": gemms}
+                              "ratio": pred / g[f"{dtype}_s"], "sample": gemm_sample})
+    return {"device": measured.get("info", {}), "blocks": rows, "gemms": gemms,
+            "gemm_sample": gemm_sample,
+            "gemm_fitted_by": GEMM_FITTED_BY if gemm_sample == IN_SAMPLE else None}
 
 
 def format_block_check(result: dict) -> str:
     """Tables of the block and GEMM comparisons."""
     blocks = table(
-        ["model", "batch", "seq", "mode", "measured ms", "predicted ms", "pred/meas"],
+        ["model", "batch", "seq", "mode", "measured ms", "predicted ms", "pred/meas", "sample"],
         [[r["model"], r["batch"], r["seq"], r["mode"], f"{r['measured_s'] * 1e3:.2f}",
-          f"{r['predicted_s'] * 1e3:.2f}", f"{r['ratio']:.2f}"] for r in result["blocks"]],
-        "lrrlrrr",
+          f"{r['predicted_s'] * 1e3:.2f}", f"{r['ratio']:.2f}", r.get("sample", HELD_OUT)]
+         for r in result["blocks"]],
+        "lrrlrrrl",
     )
     g = result["gemms"]
     ratios = np.array([r["ratio"] for r in g]) if g else np.array([1.0])
     gemm_line = f"GEMMs: {len(g)} shapes, predicted/measured mean {ratios.mean():.2f}, " \
                 f"min {ratios.min():.2f}, max {ratios.max():.2f}"
+    if result.get("gemm_sample"):
+        gemm_line += f" ({result['gemm_sample']}" + (
+            f": {result['gemm_fitted_by']})" if result.get("gemm_fitted_by") else ")")
     fp8 = {(r["m"], r["k"], r["n"]): r["measured_s"] for r in g if r["dtype"] == "fp8"}
     speedups = [r["measured_s"] / fp8[(r["m"], r["k"], r["n"])] for r in g
                 if r["dtype"] == "bf16" and (r["m"], r["k"], r["n"]) in fp8]

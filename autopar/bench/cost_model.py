@@ -5,13 +5,17 @@ Sections (each a table; the returned dict holds every number):
 1. model-state memory under ZeRO 0-3 against the playbook's 2Ψ / 2Ψ+4Ψ / 12Ψ formulas;
 2. activation memory of one micro-batch against the Korthikanti et al. formulas and the
    playbook's figures, with the per-layer saved bytes (in units of s·b·h) that explain the gap;
-3. bus bandwidth of h100-efa against the playbook's measured table, plus leave-one-out;
+3. bus bandwidth of h100-efa against the playbook's measured table (in-sample: the profile's
+   curves are fitted to it), plus leave-one-out (held out);
 4. throughput: DP scaling of the 1.34B model and TP scaling of the 3.57B model against the
    playbook's measured tok/s/GPU;
 5. whether llama3-70b fits on one node and on eight.
 
 Every model is captured once (on fake tensors) and re-evaluated with `StepFacts.rebatch` and
-`step_model.predict` for the sweeps. Reference data: shared/reference/playbook-facts.md.
+`step_model.predict` for the sweeps. Reference data: data/cost_model.json (from
+shared/reference/playbook-facts.md). Every compared point is labelled in-sample (a constant
+of the cost model was fitted on it), held out, or by construction (the reference is a formula
+the model encodes); the summary counts the held-out points apart.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 import autopar
 from autopar import models
+from autopar.bench.reference import reference_table
 from autopar.report import json_ready, table
 from autopar.search.step import step_facts
 from cost import Cluster, Layout
@@ -35,43 +40,94 @@ GIB = 2.0**30
 SEQ = 4096
 GLOBAL_BATCH = 256  # the playbook's runs: 256 sequences of 4096 tokens = 1M tokens
 
-# ---- reference data: shared/reference/playbook-facts.md (the Ultra-Scale Playbook) ----------
+# ---- reference data: data/cost_model.json (the Ultra-Scale Playbook, playbook-facts.md) -----
+
+
+def _playbook(table: str) -> dict:
+    """One table of data/cost_model.json."""
+    return reference_table("cost_model", table)
+
+
+def _busbw_reference() -> tuple[tuple[int, ...], dict[str, tuple[float, ...]]]:
+    """(node counts, kind -> measured busbw GB/s at each) of the playbook's table."""
+    ref = _playbook("busbw_gbps")
+    nodes = tuple(int(n) for n in ref["nodes"])
+    kinds = {k: tuple(v) for k, v in ref.items() if isinstance(v, list) and k != "nodes"}
+    return nodes, kinds
+
+
+def _tp_reference() -> dict[bool, dict[int, tuple[int, float]]]:
+    """sp -> tp -> (micro-batch, tok/s/GPU) of the playbook's TP scaling runs."""
+    ref = _playbook("tp_scaling")
+    return {sp: {int(tp): (int(b), v) for tp, (b, v) in ref[key].items()}
+            for sp, key in ((False, "without_sp"), (True, "with_sp"))}
+
+
 # Bytes per parameter of bf16 mixed precision with Adam and fp32 gradient accumulation (the
-# playbook's runs, nanotron's default): 2 weights, 2 grads + 4 fp32 accumulation, 12 optimizer
-# (4 fp32 master + 8 Adam m, v).
-PLAYBOOK_WEIGHT_BYTES = 2.0
-PLAYBOOK_GRAD_BYTES = 2.0 + 4.0
-PLAYBOOK_OPTIMIZER_BYTES = 12.0
+# playbook's runs, nanotron's default): 2 weights, 2 grads + 4 fp32 accumulation, 12 optimizer.
+_BYTES = _playbook("bytes_per_param")
+PLAYBOOK_WEIGHT_BYTES = float(_BYTES["weights"])
+PLAYBOOK_GRAD_BYTES = float(_BYTES["grads"])
+PLAYBOOK_OPTIMIZER_BYTES = float(_BYTES["optimizer"])
 ZERO_TOLERANCE = 0.01
 
-# Activation memory, whole model, bf16, s=4096, b=1 (GiB). 8B: Llama-3.1 8B shape (L=32,
-# h=4096, a=32) per recompute mode; 70B at TP=8 without / with SP (these equal the formula
-# without the attention-score term, i.e. activation_bytes_formula(recompute="selective")).
-PLAYBOOK_ACTIVATIONS_8B_GIB = {"none": 97.0, "selective": 17.0, "full": 1.02}
-PLAYBOOK_ACTIVATIONS_70B_TP8_GIB = {False: 32.5, True: 10.6}
+# Activation memory, whole model, bf16, s=4096, b=1 (GiB): 8B per recompute mode, 70B at TP=8
+# without / with SP (key: sp).
+_ACT = _playbook("activations_gib")
+PLAYBOOK_ACTIVATIONS_8B_GIB = dict(_ACT["8b"])
+PLAYBOOK_ACTIVATIONS_70B_TP8_GIB = {False: _ACT["70b_tp8"]["without_sp"],
+                                    True: _ACT["70b_tp8"]["with_sp"]}
 ACTIVATION_TOLERANCE = 0.25
 
-# Measured busbw (GB/s), 256 MB messages, median, nccl-tests convention, 8xH100 nodes with AWS
-# EFA between nodes: the Ultra-Scale Playbook's table, as in shared/reference/playbook-facts.md.
-MEASURED_BUSBW_NODES = (1, 2, 4, 8, 16, 32, 64)
-MEASURED_BUSBW_GBPS = {
-    "all_reduce": (436, 362, 160, 99.6, 84.7, 64.9, 32.9),
-    "all_gather": (250, 185, 119, 69.0, 55.0, 28.0, 11.0),
-    "reduce_scatter": (250, 182, 116, 68.6, 54.5, 27.9, 11.1),
-}
+# Measured busbw (GB/s), 256 MB messages, on 8xH100 nodes with AWS EFA between nodes.
+MEASURED_BUSBW_NODES, MEASURED_BUSBW_GBPS = _busbw_reference()
 BUSBW_TOLERANCE = 0.15
 LOO_TOLERANCE = 0.30
 
 # Measured throughput (tok/s/GPU) on that cluster, seq 4096, global batch 256 sequences.
-# DP scaling: 1.34B (playbook-1b), ZeRO-0, TP=PP=1, micro-batch 1; memory flat at 36.7 GB.
-MEASURED_DP = {8: 40150, 16: 37610, 32: 35368, 64: 31112, 128: 26446, 256: 15700}
-MEASURED_DP_MEMORY_GB = 36.7
-# TP scaling: 3.57B (playbook-3b), dp=1, largest micro-batch that fit: tp -> (b, tok/s/GPU).
-MEASURED_TP = {
-    False: {2: (3, 13923), 4: (8, 12421), 8: (12, 10903), 16: (16, 6246), 32: (20, 2146)},
-    True: {2: (4, 14167), 4: (10, 13460), 8: (20, 10889), 16: (40, 6159), 32: (100, 3610)},
-}
+# DP scaling of playbook-1b (dp -> tok/s/GPU; memory flat), TP scaling of playbook-3b.
+MEASURED_DP = {int(dp): v for dp, v in _playbook("dp_scaling")["tok_s_gpu"].items()}
+MEASURED_DP_MEMORY_GB = float(_playbook("dp_scaling")["memory_gb"])
+MEASURED_TP = _tp_reference()
 THROUGHPUT_TOLERANCE = 0.25
+
+# ---- which reference points a constant of the cost model was fitted on ---------------------
+# Agreement at a point a constant was fitted on shows the fit, not the model: such points are
+# labelled in-sample, every other one held out. Found in the comments beside the constants in
+# cost/*.py; keep in step with them.
+IN_SAMPLE = "in-sample (fitted)"
+HELD_OUT = "held out"
+# The ZeRO rows compare with formulas that cost/precision.py and cost/memory.py encode as they
+# are: agreement shows the parameter count and the sharding logic, not a calibration.
+BY_CONSTRUCTION = "by construction (same formula)"
+# cost/cluster.py `_load_curves`: h100-efa's busbw curves are the playbook's table itself.
+BUSBW_CURVES_FITTED = "h100-efa busbw curves (cost/profiles/h100_efa_busbw.json) are these points"
+# Leave-one-out drops a point from its curve, but the link model under the curve keeps
+# constants fitted on some points (cost/cluster.py): NVLink efficiencies on the 1-node column,
+# the EFA efficiency on the 2-node all-reduce.
+BUSBW_LOO_FITTED = {
+    ("all_reduce", 1): "cost.cluster.H100_INTRA_EFFICIENCY['all_reduce'] = 436/450",
+    ("all_gather", 1): "cost.cluster.H100_INTRA_EFFICIENCY['all_gather'] = 250/450",
+    ("reduce_scatter", 1): "cost.cluster.H100_INTRA_EFFICIENCY['reduce_scatter'] = 250/450",
+    ("all_reduce", 2): "cost.cluster.EFA_EFFICIENCY = 362/400",
+}
+# The cost model's FRAMEWORK_EFFICIENCY (cost/step.py) = 40,150 / 47,124: the DP=8 point of
+# playbook-1b over the kernel roofline there.
+DP_FITTED = {8: "FRAMEWORK_EFFICIENCY = 0.85 = 40,150 / 47,124 (roofline)"}
+
+
+ZERO_SAMPLE_NOTE = ("by construction: cost/precision.py holds the playbook's bytes per parameter "
+                    "and cost/memory.py its ZeRO formulas; the rows check the parameter count and "
+                    "the sharding, not a calibration")
+BUSBW_SAMPLE_NOTE = ("predicted: in-sample (fitted), the h100-efa busbw curves are these very "
+                     "points; leave-one-out: held out, except where the link model keeps a "
+                     "constant fitted on the point (the 1-node column, the 2-node all-reduce)")
+
+
+def _sample(fitted_by: str | None) -> str:
+    """The label of a point: in-sample when a constant was fitted on it, else held out."""
+    return IN_SAMPLE if fitted_by else HELD_OUT
+
 
 MODEL_STATE = ("params", "grads", "optimizer")
 
@@ -160,9 +216,10 @@ def zero_memory_section(cap: Captured, dp: int = 8) -> dict:
             rows.append({
                 "model": cap.name, "zero": zero, "dp": dp, "part": part,
                 "predicted_bytes": got[part], "playbook_bytes": ref[part], "diff": err,
-                "within": abs(err) < ZERO_TOLERANCE,
+                "within": abs(err) < ZERO_TOLERANCE, "sample": BY_CONSTRUCTION,
             })
-    return {"model": cap.name, "num_params": cap.num_params, "dp": dp, "rows": rows}
+    return {"model": cap.name, "num_params": cap.num_params, "dp": dp, "rows": rows,
+            "sample_note": ZERO_SAMPLE_NOTE}
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,6 +346,8 @@ def activation_row(cap: Captured, tp: int, sp: bool, recompute: str,
         "diff_total_vs_formula_with_logits": _pct(total, formula_logits),
         "within_formula_no_scores": abs(_pct(blocks, formula_no_scores)) < ACTIVATION_TOLERANCE,
         "explanation": "; ".join(notes),
+        # no constant of the cost model was fitted on an activation figure
+        "sample": HELD_OUT,
     }
 
 
@@ -331,6 +390,9 @@ def busbw_section(nbytes: float = DEFAULT_MESSAGE_BYTES) -> dict:
                 "loo_predicted_Bps": loo, "loo_diff": loo_err,
                 "loo_extrapolated": i in (0, len(MEASURED_BUSBW_NODES) - 1),
                 "loo_within": abs(loo_err) < LOO_TOLERANCE,
+                "sample": IN_SAMPLE, "fitted_by": BUSBW_CURVES_FITTED,
+                "loo_sample": _sample(BUSBW_LOO_FITTED.get((kind, nodes))),
+                "loo_fitted_by": BUSBW_LOO_FITTED.get((kind, nodes)),
             })
     interior = [abs(r["loo_diff"]) for r in rows if not r["loo_extrapolated"]]
     return {
@@ -338,6 +400,7 @@ def busbw_section(nbytes: float = DEFAULT_MESSAGE_BYTES) -> dict:
         "max_abs_diff": max(abs(r["diff"]) for r in rows),
         "loo_interior_mean_abs_diff": float(np.mean(interior)),
         "loo_interior_max_abs_diff": float(np.max(interior)),
+        "sample_note": BUSBW_SAMPLE_NOTE,
     }
 
 
@@ -362,6 +425,8 @@ def dp_scaling_section(cap1: Captured, dps: tuple[int, ...] = tuple(MEASURED_DP)
             "memory_ratio": pred.memory_per_device_bytes / (MEASURED_DP_MEMORY_GB * 1e9),
             "dp_comm_exposed_s": pred.time_breakdown["dp_comm_exposed_s"],
             "step_s": pred.step_time_s,
+            "sample": _sample(DP_FITTED.get(dp)), "fitted_by": DP_FITTED.get(dp),
+            "memory_sample": HELD_OUT,
         })
     predicted = [r["predicted_tok_s_gpu"] for r in rows]
     measured = [r["measured_tok_s_gpu"] for r in rows]
@@ -416,6 +481,7 @@ def tp_scaling_section(cap3: Captured, tps: tuple[int, ...] = (2, 4, 8, 16, 32))
                 "tp_comm_share": tb["tp_comm_s"] / pred.step_time_s,
                 "largest_fitting_microbatch": largest_fitting_microbatch(
                     cap3.facts, cluster, Layout(tp=tp, sp=sp)),
+                "sample": HELD_OUT, "fitted_by": None,
             })
         mine = [r for r in rows if r["sp"] == sp]
         pred_seq = [r["predicted_tok_s_gpu"] for r in mine]
@@ -466,27 +532,38 @@ def fits_section(cap70: Captured) -> dict:
 # driver
 
 
+def _count(rows: list[dict], key: str, tol: float | None, sample_key: str = "sample") -> dict:
+    """Rows whose ``key`` holds, of all rows; where rows carry a sample label, also how many
+    held-out rows hold and how many rows are in-sample or by construction."""
+    out = {"within": sum(bool(r[key]) for r in rows), "total": len(rows), "tolerance": tol}
+    samples = [r.get(sample_key) for r in rows]
+    if any(samples):
+        held = [r for r, label in zip(rows, samples) if label == HELD_OUT]
+        out.update({
+            "held_out_within": sum(bool(r[key]) for r in held), "held_out_total": len(held),
+            "in_sample": samples.count(IN_SAMPLE), "by_construction": samples.count(BY_CONSTRUCTION),
+        })
+    return out
+
+
 def _summary(result: dict) -> dict:
-    """Points within tolerance per section."""
+    """Points within tolerance per section, the held-out ones counted apart."""
     out = {}
-
-    def count(rows, key, tol):
-        return {"within": sum(bool(r[key]) for r in rows), "total": len(rows), "tolerance": tol}
-
     zero_rows = [r for sec in result["zero_memory"] for r in sec["rows"]]
-    out["zero_memory"] = count(zero_rows, "within", ZERO_TOLERANCE)
+    out["zero_memory"] = _count(zero_rows, "within", ZERO_TOLERANCE)
     if result.get("activations"):
-        out["activations_vs_formula_no_scores"] = count(
+        out["activations_vs_formula_no_scores"] = _count(
             result["activations"]["rows"], "within_formula_no_scores", ACTIVATION_TOLERANCE)
-    out["busbw"] = count(result["busbw"]["rows"], "within", BUSBW_TOLERANCE)
+    out["busbw"] = _count(result["busbw"]["rows"], "within", BUSBW_TOLERANCE)
     interior = [r for r in result["busbw"]["rows"] if not r["loo_extrapolated"]]
-    out["busbw_leave_one_out_interior"] = count(interior, "loo_within", LOO_TOLERANCE)
-    out["dp_scaling"] = count(result["dp_scaling"]["rows"], "within", THROUGHPUT_TOLERANCE)
+    out["busbw_leave_one_out_interior"] = _count(interior, "loo_within", LOO_TOLERANCE,
+                                                 sample_key="loo_sample")
+    out["dp_scaling"] = _count(result["dp_scaling"]["rows"], "within", THROUGHPUT_TOLERANCE)
     out["dp_scaling"]["predicted_falling"] = result["dp_scaling"]["predicted_falling"]
-    out["tp_scaling"] = count(result["tp_scaling"]["rows"], "within", THROUGHPUT_TOLERANCE)
+    out["tp_scaling"] = _count(result["tp_scaling"]["rows"], "within", THROUGHPUT_TOLERANCE)
     out["tp_scaling"]["outliers"] = result["tp_scaling"]["outliers"]
     if result.get("fits"):
-        out["fits"] = count(result["fits"]["rows"], "as_expected", None)
+        out["fits"] = _count(result["fits"]["rows"], "as_expected", None)
     return out
 
 
@@ -551,8 +628,9 @@ def _format_zero(sections: list[dict]) -> str:
             rows.append([r["model"], f"{sec['num_params'] / 1e9:.3f} B", r["zero"], r["part"],
                          _gib(r["predicted_bytes"]), _gib(r["playbook_bytes"]),
                          _fmt_pct(r["diff"]), "ok" if r["within"] else "OFF"])
-    return table(["model", "Ψ", "zero", "part", "predicted GiB", "playbook GiB", "diff", "< 1 %"],
-                 rows, "lrrlrrrl")
+    t = table(["model", "Ψ", "zero", "part", "predicted GiB", "playbook GiB", "diff", "< 1 %"],
+              rows, "lrrlrrrl")
+    return "\n".join([t, f"sample: {ZERO_SAMPLE_NOTE}"])
 
 
 def _format_activations(sec: dict) -> str:
@@ -563,15 +641,15 @@ def _format_activations(sec: dict) -> str:
                      _gib(r["formula_bytes"]), _gib(r["formula_no_scores_bytes"]),
                      _gib(r["predicted_blocks_bytes"]), _fmt_pct(r["diff_blocks_vs_playbook"]),
                      _fmt_pct(r["diff_blocks_vs_formula"]),
-                     _fmt_pct(r["diff_blocks_vs_formula_no_scores"])])
+                     _fmt_pct(r["diff_blocks_vs_formula_no_scores"]), r["sample"]])
         rows2.append([i, f"{r['predicted_sbh_per_layer']:.2f}", f"{r['formula_sbh_per_layer']:.2f}",
                       _gib(r["predicted_outside_bytes"]), _gib(r["predicted_total_bytes"]),
                       _gib(r["formula_with_logits_bytes"]),
                       _fmt_pct(r["diff_total_vs_formula_with_logits"])])
         notes.append(f"  [{i}] {r['explanation']}")
     t1 = table(["#", "model", "tp", "recompute", "playbook", "formula", "formula no-scores",
-                "ours (blocks)", "vs playbook", "vs formula", "vs no-scores"], rows,
-               "rlllrrrrrrr")
+                "ours (blocks)", "vs playbook", "vs formula", "vs no-scores", "sample"], rows,
+               "rlllrrrrrrrl")
     t2 = table(["#", "ours sbh/layer", "formula sbh/layer", "ours outside blocks",
                 "ours total", "formula + logits", "total vs formula+logits"], rows2, "rrrrrrr")
     return "\n".join([
@@ -583,19 +661,25 @@ def _format_activations(sec: dict) -> str:
 
 
 def _format_busbw(sec: dict) -> str:
-    rows = []
+    rows, fitted = [], []
     for r in sec["rows"]:
         loo = f"{r['loo_predicted_Bps'] / 1e9:.1f}" + (" (extrap.)" if r["loo_extrapolated"] else "")
         rows.append([r["kind"], r["nodes"], f"{r['measured_Bps'] / 1e9:.1f}",
                      f"{r['predicted_Bps'] / 1e9:.1f}", _fmt_pct(r["diff"]),
-                     "ok" if r["within"] else "OFF", loo, _fmt_pct(r["loo_diff"])])
-    t = table(["kind", "nodes", "measured", "predicted", "diff", "< 15 %", "leave-one-out",
-               "LOO diff"], rows, "lrrrrlrr")
+                     "ok" if r["within"] else "OFF", r["sample"], loo, _fmt_pct(r["loo_diff"]),
+                     r["loo_sample"]])
+        if r["loo_fitted_by"]:
+            fitted.append(f"  {r['kind']} at {r['nodes']} node(s): {r['loo_fitted_by']}")
+    t = table(["kind", "nodes", "measured", "predicted", "diff", "< 15 %", "sample",
+               "leave-one-out", "LOO diff", "LOO sample"], rows, "lrrrrllrrl")
     return "\n".join([
         t,
-        f"max |diff| {100 * sec['max_abs_diff']:.1f} %; leave-one-out on interior points: mean "
-        f"|diff| {100 * sec['loo_interior_mean_abs_diff']:.1f} %, max "
+        f"sample: {sec['sample_note']}",
+        f"max |diff| {100 * sec['max_abs_diff']:.1f} % (in-sample); leave-one-out on interior "
+        f"points: mean |diff| {100 * sec['loo_interior_mean_abs_diff']:.1f} %, max "
         f"{100 * sec['loo_interior_max_abs_diff']:.1f} % (end points: held-constant extrapolation)",
+        "leave-one-out points still in-sample through a constant fitted on them:",
+        *fitted,
     ])
 
 
@@ -603,12 +687,15 @@ def _format_dp(sec: dict) -> str:
     rows = [[r["dp"], r["nodes"], r["grad_accum"], f"{r['measured_tok_s_gpu']:,}",
              f"{r['predicted_tok_s_gpu']:,.0f}", f"{r['ratio']:.2f}",
              "ok" if r["within"] else "OFF", f"{r['predicted_memory_bytes'] / 1e9:.1f}",
-             f"{sec['measured_memory_gb']:.1f}", f"{r['memory_ratio']:.2f}"]
+             f"{sec['measured_memory_gb']:.1f}", f"{r['memory_ratio']:.2f}", r["sample"]]
             for r in sec["rows"]]
     t = table(["dp", "nodes", "ga", "measured tok/s/GPU", "predicted", "pred/meas", "< 25 %",
-               "memory GB pred", "meas", "pred/meas"], rows, "rrrrrrlrrr")
+               "memory GB pred", "meas", "pred/meas", "tok/s sample"], rows, "rrrrrrlrrrl")
+    fitted = [f"dp={r['dp']}: {r['fitted_by']}" for r in sec["rows"] if r["fitted_by"]]
     return "\n".join([
         t,
+        "sample: throughput in-sample (fitted) at " + ("; ".join(fitted) or "no point")
+        + "; the others and the memory held out",
         f"trend: predicted {'falls monotonically' if sec['predicted_falling'] else 'does NOT fall monotonically'}"
         f" with dp (measured {'falls' if sec['measured_falling'] else 'does not fall'})",
     ])
@@ -619,10 +706,11 @@ def _format_tp(sec: dict) -> str:
              f"{r['measured_tok_s_gpu']:,}", f"{r['predicted_tok_s_gpu']:,.0f}",
              f"{r['ratio']:.2f}", "ok" if r["within"] else "OFF",
              f"{100 * r['tp_comm_share']:.0f} %", f"{r['predicted_memory_bytes'] / 1e9:.1f}",
-             "yes" if r["fits"] else "no", r["largest_fitting_microbatch"]] for r in sec["rows"]]
+             "yes" if r["fits"] else "no", r["largest_fitting_microbatch"], r["sample"]]
+            for r in sec["rows"]]
     t = table(["mode", "tp", "mb", "ga", "measured tok/s/GPU", "predicted", "pred/meas", "< 25 %",
-               "TP comm share", "memory GB", "fits", "largest mb (model)"], rows,
-              "lrrrrrrlrrlr")
+               "TP comm share", "memory GB", "fits", "largest mb (model)", "sample"], rows,
+              "lrrrrrrlrrlrl")
     lines = [t]
     for mode, tr in sec["trends"].items():
         line = f"{mode}: predicted {'falls' if tr['predicted_falling'] else 'does NOT fall'} with tp"
@@ -650,6 +738,23 @@ def _format_fits(sec: dict) -> str:
     return table(head, rows, "l" + "r" * len(sec["rows"]))
 
 
+def _held_out_cell(s: dict) -> str:
+    """'within/total' of the held-out points; '-' where the section has no sample labels."""
+    if "held_out_total" not in s:
+        return "-"
+    return f"{s['held_out_within']}/{s['held_out_total']}"
+
+
+def _in_sample_cell(s: dict) -> str:
+    """How many points are in-sample (fitted) or by construction; '-' without labels."""
+    if "held_out_total" not in s:
+        return "-"
+    parts = [f"{s['in_sample']} fitted"] if s["in_sample"] else []
+    if s["by_construction"]:
+        parts.append(f"{s['by_construction']} by construction")
+    return ", ".join(parts) or "0"
+
+
 def _format_summary(summary: dict) -> str:
     rows = []
     for name, s in summary.items():
@@ -659,8 +764,14 @@ def _format_summary(summary: dict) -> str:
             extra.append("falling" if s["predicted_falling"] else "NOT falling")
         for o in s.get("outliers", []):
             extra.append(f"outlier tp{o['tp']}{'+sp' if o['sp'] else ''} {o['ratio']:.2f}x")
-        rows.append([name, f"{s['within']}/{s['total']}", tol, ", ".join(extra)])
-    return table(["section", "within", "tolerance", "notes"], rows, "lrrl")
+        rows.append([name, f"{s['within']}/{s['total']}", _held_out_cell(s), _in_sample_cell(s),
+                     tol, ", ".join(extra)])
+    return "\n".join([
+        table(["section", "within", "held out within", "in-sample", "tolerance", "notes"], rows,
+              "lrrrrl"),
+        "(in-sample: a constant of the cost model was fitted on the point, or the reference is "
+        "the formula the model encodes; only held-out points test the model)",
+    ])
 
 
 def format_cost_model_bench(result: dict) -> str:

@@ -27,6 +27,21 @@ import torch
 from autopar.report import fmt_time, json_ready, table
 from runtime.launch import spawn
 
+# The cost model's CPU_ADAM_BYTES_PER_PARAM (cost/step.py) was fitted on the optimizer step of
+# 4.2 M fp32 parameters, the full run's 4-layer model, and `cost.cluster.rank_share` was set
+# from that model's step at 4x128 tokens per rank: the full run's predictions are partly
+# in-sample. The quick run's 2-layer model was not fitted on.
+FITTED_PARAMS = 4_196_608
+FITTED_BY = ("CPU_ADAM_BYTES_PER_PARAM (68 B/param) was fitted on this model's optimizer step "
+             "and cost.cluster.rank_share set from its step time, on the 2-core dev box")
+
+
+def _sample(num_params: int) -> tuple[str, str | None]:
+    """(label, what was fitted) of predictions for a model of ``num_params`` parameters."""
+    if num_params == FITTED_PARAMS:
+        return "partly in-sample (fitted)", FITTED_BY
+    return "held out", None
+
 
 def _layouts(world: int) -> dict[str, dict | None]:
     layouts: dict[str, dict | None] = {
@@ -233,6 +248,13 @@ def _calibrate(world: int, progress) -> tuple[dict, Path]:
     return calibrate(world_sizes=(world,), path=path, progress=None), path
 
 
+def _num_params(cfg) -> int:
+    """Parameters of ``cfg``'s model, counted on the meta device (no memory)."""
+    from autopar import models
+
+    return int(sum(p.numel() for p in models.build(cfg, device="meta").parameters()))
+
+
 def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calibration: str | None = None) -> dict:
     """Measure every executable layout of a small GPT on ``world`` gloo ranks.
 
@@ -257,7 +279,8 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
         if measured_now:  # its numbers are kept in the result
             shutil.rmtree(Path(calibration).parent, ignore_errors=True)
     predicted, measured = _per_layout(rows)
-    return json_ready({"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
+    sample, fitted_by = _sample(_num_params(cfg))
+    return json_ready({"sample": sample, "fitted_by": fitted_by,"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
                        "spearman_predicted_vs_measured": _spearman(predicted, measured),
                        "distinct_layouts": len(predicted), "calibration": cal,
                        "time_s": time.perf_counter() - t0})
@@ -271,4 +294,13 @@ def format_runtime_bench(result: dict) -> str:
     return (f"runtime bench on {result['world']} gloo ranks, batch {result['batch']} x seq {result['seq']}\n"
             + table(head, rows, "llrrrr")
             + f"\nSpearman rank correlation, predicted vs measured, over {result['distinct_layouts']} distinct "
-            f"layouts: {result['spearman_predicted_vs_measured']:.2f}")
+            f"layouts: {result['spearman_predicted_vs_measured']:.2f}"
+            + _sample_line(result))
+
+
+def _sample_line(result: dict) -> str:
+    """The predictions' label, with what was fitted on them where they are in-sample."""
+    if "sample" not in result:
+        return ""
+    return f"\npredictions: {result['sample']}" + (
+        f" ({result['fitted_by']})" if result.get("fitted_by") else "")

@@ -39,7 +39,12 @@ class GraphInput:
 
 @dataclass(frozen=True)
 class GraphOutput:
-    """One output of the joint graph: kind "loss", "grad" (name = the parameter), or "other"."""
+    """One output of the joint graph.
+
+    kind: "loss"; "grad" (name = the parameter); "buffer" (name = the buffer whose new value
+    this is: the forward updated it in place, as BatchNorm's running statistics, and the
+    functionalised graph returns the updated value instead); or "other".
+    """
 
     index: int
     kind: str
@@ -51,7 +56,8 @@ class TrainingGraph:
     """A captured training step: the joint FX graph and what each input and output is.
 
     Call `run` with real tensors to execute the step: it returns the loss and a dict of
-    gradients keyed by parameter name, the same numbers eager autograd gives.
+    gradients keyed by parameter name, the same numbers eager autograd gives, and updates the
+    buffers the forward mutates in place, as an eager training step does.
     """
 
     gm: torch.fx.GraphModule
@@ -103,7 +109,12 @@ class TrainingGraph:
         *user_inputs: torch.Tensor,
         buffers: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Execute the captured step on real tensors: returns (loss, {param name: grad})."""
+        """Execute the captured step on real tensors: returns (loss, {param name: grad}).
+
+        Buffers the forward updates (the "buffer" outputs: BatchNorm's running statistics, a
+        step counter) are written back into the tensors given in ``buffers``, in place, as
+        eager ``loss = model(...); loss.backward()`` updates the module's buffers.
+        """
         buffers = buffers or {}
         primals = []
         for inp in self.inputs:
@@ -123,6 +134,10 @@ class TrainingGraph:
         loss_index = next(o.index for o in self.outputs if o.kind == "loss")
         with torch.no_grad():
             out = self.gm(*primals, *tangents)
+            # the graph is functional: it returns the new values; eager mutates in place
+            for o in self.outputs:
+                if o.kind == "buffer":
+                    self._lookup(buffers, o.name).copy_(out[o.index])
         grads = {o.name: out[o.index] for o in self.outputs if o.kind == "grad"}
         return out[loss_index], grads
 
@@ -172,7 +187,10 @@ def capture(
         try:
             with _track_modules({id(m): n for n, m in model.named_modules()}) as spans:
                 traced = torch.export.export(root, fake_inputs, strict=False).module() if via_export else root
-                gm, inputs, outputs = _joint(traced, fake_inputs)
+                wrapper = "model." if loss_fn is not None else ""
+                gm, inputs, outputs = _joint(traced, fake_inputs, wrapper)
+        except CaptureError:
+            raise  # already says what to fix
         except Exception as exc:
             raise CaptureError.from_exception(exc, module_names) from exc
     if not via_export:  # export's own nn_module_stack metadata serves otherwise
@@ -188,6 +206,7 @@ def capture(
     prefix = "model." if loss_fn is not None else ""
     if prefix:  # report names as the user's model knows them
         inputs = [GraphInput(i.node, i.kind, i.name.removeprefix(prefix)) for i in inputs]
+        # buffer outputs are named like buffer inputs: strip the wrapper's prefix the same way
         outputs = [GraphOutput(o.index, o.kind, o.name.removeprefix(prefix)) for o in outputs]
         shapes = {k.removeprefix(prefix): v for k, v in shapes.items()}
         dtypes = {k.removeprefix(prefix): v for k, v in dtypes.items()}
@@ -205,11 +224,15 @@ def capture(
     )
 
 
-def _joint(root: nn.Module, fake_inputs):
-    """AOTAutograd joint export of the module; returns (gm, inputs, outputs)."""
+def _joint(root: nn.Module, fake_inputs, prefix: str = ""):
+    """AOTAutograd joint export of the module; returns (gm, inputs, outputs).
+
+    ``prefix`` (the loss wrapper's "model.") is left out of the names in error messages.
+    """
     from torch._functorch._aot_autograd.descriptors import (
         BufferAOTInput,
         GradAOTOutput,
+        InputMutationAOTOutput,
         ParamAOTInput,
         PlainAOTInput,
         PlainAOTOutput,
@@ -246,9 +269,60 @@ def _joint(root: nn.Module, fake_inputs):
             outputs.append(GraphOutput(index, "grad", desc.grad_of.target))
         elif isinstance(desc, PlainAOTOutput):
             outputs.append(GraphOutput(index, "loss" if desc.idx == 0 else "other", f"output{desc.idx}"))
+        elif isinstance(desc, InputMutationAOTOutput):
+            outputs.append(GraphOutput(index, "buffer", _mutated_buffer(desc.mutated_input, prefix)))
         elif desc is not None:
             outputs.append(GraphOutput(index, "other", str(desc)))
+    for node in gm.graph.nodes:
+        desc = node.meta.get("desc") if node.op == "placeholder" else None
+        if isinstance(desc, TangentAOTInput) and isinstance(desc.output, InputMutationAOTOutput):
+            name = _mutated_buffer(desc.output.mutated_input, prefix).removeprefix(prefix)
+            raise CaptureError(
+                f"the forward writes a value that requires grad into buffer {name!r} (its new "
+                "value is part of the autograd graph, so loss.backward() would need a seed "
+                "gradient for it).\n  fix: update the buffer from detached values, e.g. "
+                "buf.copy_(x.detach()), or inside `with torch.no_grad():`"
+            )
     return gm, inputs, outputs
+
+
+def _mutated_buffer(mutated, prefix: str = "") -> str:
+    """The buffer an in-place update of the forward wrote to; `CaptureError` for anything else.
+
+    The joint export functionalises in-place updates of graph inputs: each comes out as an
+    extra output (descriptor ``InputMutationAOTOutput``) holding the input's new value. For a
+    buffer that is the running state eager PyTorch keeps in the module; updating a parameter
+    or a user input inside the training step has no faithful place in a parallel step (a
+    parameter's shards and its optimizer state would diverge from the update).
+    """
+    from torch._functorch._aot_autograd.descriptors import (
+        BufferAOTInput,
+        ParamAOTInput,
+        PlainAOTInput,
+    )
+
+    if isinstance(mutated, BufferAOTInput):
+        return mutated.target
+    if isinstance(mutated, ParamAOTInput):
+        name = mutated.target.removeprefix(prefix)
+        raise CaptureError(
+            f"the forward modifies parameter {name!r} in place (an in-place op such as mul_, "
+            "copy_ or .data.mul_ on it); autopar cannot capture a step that updates "
+            "a parameter inside forward.\n  fix: move the update out of forward (after "
+            "optimizer.step()), or, if the tensor is not trained, register it as a buffer "
+            "(module.register_buffer) so that the step may update it"
+        )
+    if isinstance(mutated, PlainAOTInput):
+        raise CaptureError(
+            f"the forward modifies its input {mutated.idx} (example_inputs[{mutated.idx}]) in "
+            "place; autopar cannot capture a step that changes the batch it is given.\n  fix: "
+            "use the out-of-place op (x = x * 2 instead of x.mul_(2)) or clone the input first "
+            "(x = x.clone())"
+        )
+    raise CaptureError(
+        f"the forward modifies a graph input in place that is neither a buffer, a parameter nor "
+        f"a user input ({mutated}).\n  fix: update only registered buffers in forward"
+    )
 
 
 @contextlib.contextmanager
@@ -347,7 +421,10 @@ def _merge_tied(gm, inputs, outputs, groups):
     kept = [i for i in range(len(out_args)) if i not in drop_outputs]
     out_node.args = (tuple(out_args[i] for i in kept),)
     renumber = {old: new for new, old in enumerate(kept)}
-    outputs = [GraphOutput(renumber[o.index], o.kind, o.name) for o in outputs if o.index in renumber]
+    # a tied buffer's new value goes to the one tensor all its names share
+    outputs = [GraphOutput(renumber[o.index], o.kind,
+                           aliases.get(o.name, o.name) if o.kind == "buffer" else o.name)
+               for o in outputs if o.index in renumber]
     inputs = [i for i in inputs if not (i.kind in ("param", "buffer") and i.name in drop_inputs)]
     gm.graph.lint()
     gm.recompile()

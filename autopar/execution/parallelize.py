@@ -6,13 +6,17 @@ like the original: ``loss = pm(*batch)``, ``loss.backward()`` fills ``pm.paramet
 with the plan's placements), any ``torch.optim`` optimizer steps them, and
 ``torch.distributed.checkpoint`` saves ``pm.state_dict()``.
 
-The passes compose: the tensor-parallel pass (passes/tensor_parallel.py) turns the global graph
-into one TP rank's graph, the data-parallel pass (passes/data_parallel.py) then adds gradient
-reduction and ZeRO over the "dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP and their
-products (a ("dp", "tp") mesh), with gradient accumulation (the step captured for one
-micro-batch and run grad_accum times; see runtime/executor.py). Layouts with pipeline, context
-or expert parallelism are planned but not yet executed: they raise a clear error.
-Recomputation is a memory decision of the plan; the executed step keeps what the graph keeps.
+The plan's decisions (`cost.plan_types.PlanDecisions`) travel to the passes as typed parts: the
+tensor-parallel pass (passes/tensor_parallel.py) turns the global graph into one TP rank's graph,
+the data-parallel pass (passes/data_parallel.py) then adds gradient reduction and ZeRO over the
+"dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP and their products (a ("dp", "tp")
+mesh), with gradient accumulation (the step captured for one micro-batch and run grad_accum
+times; see runtime/executor.py), in the model's own dtype. Any other decision (pipeline,
+context or expert parallelism, recomputation, FP8, a precision other than the model's) is an
+`UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
+
+Buffers the forward updates (BatchNorm statistics) are written back on every rank; under data
+parallelism each rank keeps its own statistics, as DDP does without SyncBatchNorm.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from autopar.errors import AutoparError, InputError
 from autopar.planning.plan import Plan
 from autopar.planning.plan import make_plan as make_layout_plan
 from autopar.planning.planner import plan as make_plan
+from autopar.search.solver import unsupported_decisions
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
+from cost.plan_types import AxisGroup, AxisPlacement, Fallback, GraphSignature, PlanDecisions
 from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
-from passes.tensor_parallel import apply_tensor_parallel, parse_placement
+from passes.tensor_parallel import apply_tensor_parallel
 from runtime.executor import RankGraph, run_step
 
 
@@ -50,7 +56,8 @@ class ParallelModule(nn.Module):
     """The model, parallelised: call it like the original; its parameters are DTensors."""
 
     def __init__(self, module: nn.Module, rank_graph: RankGraph, plan: Plan, mesh: DeviceMesh,
-                 global_shapes: list[tuple[int, ...]], canonical: list[str]) -> None:
+                 input_shapes: list[tuple[int, ...]], canonical: list[str],
+                 local_batch: bool = False) -> None:
         super().__init__()
         # adopt the copy's children, weights and buffers: names stay those of the original
         self._modules.update(module._modules)
@@ -59,19 +66,24 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self._rank_graph = rank_graph
-        self._global_shapes = global_shapes
+        self._input_shapes = input_shapes
         self._canonical = canonical
+        self._local_batch = local_batch
 
     def forward(self, *batch: torch.Tensor) -> torch.Tensor:
-        """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients."""
+        """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients.
+
+        With ``local_batch=True`` at `parallelize`, ``batch`` is this rank's data-parallel
+        slice (ranks of one TP group pass the same slice)."""
         shapes = [tuple(x.shape) for x in batch]
-        if shapes != self._global_shapes:
+        if shapes != self._input_shapes:
+            what = "this rank's slice of the example inputs" if self._local_batch else "the example inputs"
             raise InputError(
-                f"batch shapes {shapes} differ from the example inputs {self._global_shapes} the "
-                "step was planned for: call autopar.parallelize again with these shapes"
+                f"batch shapes {shapes} differ from {what}, {self._input_shapes}, that the step "
+                "was planned for: call autopar.parallelize again with these shapes"
             )
         dp = self.plan.layout.dp
-        local = tuple(x.chunk(dp, dim=0)[_dp_rank(self.mesh)] for x in batch)
+        local = batch if self._local_batch else tuple(x.chunk(dp, dim=0)[_dp_rank(self.mesh)] for x in batch)
         named = dict(self.named_parameters(remove_duplicate=False))
         params = [(name, named[name]) for name in self._canonical]
         buffers = dict(self.named_buffers())
@@ -112,12 +124,17 @@ def parallelize(
     loss_fn: Callable | None = None,
     plan: Plan | None = None,
     layout: Layout | None = None,
+    local_batch: bool = False,
+    strict: bool = False,
 ) -> ParallelModule:
     """Parallelise ``model``'s training step over ``mesh`` (a DeviceMesh or a world size).
 
     ``example_inputs`` are one global batch (dim 0 split over data-parallel ranks). The layout
-    comes from ``plan``, else ``layout``, else the solver on `Cluster.local()` with the mesh's
-    size. Must be called on every rank of an initialised process group.
+    comes from ``plan``, else ``layout`` (omitted fields derived, `Layout.resolve`), else the
+    solver, searching only what runs, on this process's devices: `Cluster.detect()` under NCCL,
+    `Cluster.local()` on CPU ranks. ``local_batch``: ``pm(*batch)`` takes this rank's
+    data-parallel slice instead of the global batch. ``strict``: refuse any op that would fall
+    back to replication. Must be called on every rank of an initialised process group.
     """
     if not dist.is_initialized():
         raise InputError("parallelize needs an initialised process group: launch with torchrun "
@@ -137,71 +154,92 @@ def parallelize(
                          "(device='meta' is for planning only)")
     example_inputs = tuple(example_inputs)
     batch = example_inputs[0].shape[0]
-    chosen = _choose_plan(model, example_inputs, loss_fn, plan, layout, world)
+    cluster = (Cluster.detect() if device_type == "cuda"
+               else Cluster.local(ranks=world, threads_per_rank=torch.get_num_threads()))
+    chosen = _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster)
     lay = chosen.layout
-    if max(lay.pp, lay.cp, lay.ep) > 1:
-        raise UnsupportedLayoutError(
-            f"layout {lay.short()}: executing pipeline, context or expert parallelism is not "
-            "implemented yet (planning is); run a DP / ZeRO / TP / TP+SP layout (pp=cp=ep=1) or "
-            "use the plan for its predictions"
-        )
-    if batch % lay.dp:
-        raise InputError(f"the batch of {batch} does not split over {lay.dp} data-parallel ranks: "
-                         f"use a batch that is a multiple of {lay.dp}")
     m = lay.grad_accum
-    if (batch // lay.dp) % m:
-        raise InputError(f"each data-parallel rank gets {batch // lay.dp} sequences, which do not split "
-                         f"into grad_accum={m} micro-batches: use a batch that is a multiple of "
-                         f"dp * grad_accum = {lay.dp * m}")
+    if batch % (lay.dp * m):
+        raise InputError(f"the batch of {batch} does not split over dp={lay.dp} ranks x grad_accum={m} "
+                         f"micro-batches: use a batch that is a multiple of dp * grad_accum = {lay.dp * m}")
     mesh = _mesh_for(mesh, lay, device_type)
 
     # the step is captured for one micro-batch; the executor runs it grad_accum times
     local_inputs = tuple(x.chunk(lay.dp, dim=0)[_dp_rank(mesh)] for x in example_inputs)
     micro_inputs = tuple(x[: x.shape[0] // m] for x in local_inputs)
     graph = _capture_local(model, micro_inputs, loss_fn)
-    inputs = [(i.kind, i.name) for i in graph.inputs]
-    grads = {o.name: o.index for o in graph.outputs if o.kind == "grad"}
-    loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
+    signature = _signature(graph.gm, [(i.kind, i.name) for i in graph.inputs],
+                           {o.name: o.index for o in graph.outputs if o.kind == "grad"},
+                           next(o.index for o in graph.outputs if o.kind == "loss"),
+                           {o.name: o.index for o in graph.outputs if o.kind == "buffer"})
     gm, shapes = graph.gm, dict(graph.param_shapes)
-    tp_placements = {name: parse_placement(axes.get("tp", "Replicate()"))
-                     for name, axes in chosen.placements.items()} if lay.tp > 1 else {}
+    decisions = chosen.decisions
+    # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
+    fallbacks: list[Fallback] = list(decisions.fallbacks) if lay.tp > 1 else []
     if lay.tp > 1:
         holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        traced = apply_tensor_parallel(
-            gm, inputs, [tuple(n.meta["val"].shape) for n in holders], tp_placements, mesh["tp"],
-            lay.sp, {i: n for n, i in grads.items()}, loss_index)
+        traced = apply_tensor_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders],
+                                       decisions.tensor_parallel(), mesh["tp"])
         gm = traced.gm
         shapes.update(traced.local_shapes)
-    holders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    params = {name: node for (kind, name), node in zip(inputs, holders) if kind == "param"}
-    sharded: set[str] = set()
+        signature = _signature(gm, signature.inputs, signature.grad_index, signature.loss_index,
+                               signature.buffer_index)
+        planned = {f.op for f in fallbacks}
+        unexecuted = planned - set(traced.fallback_ops)
+        if unexecuted:
+            # the plan prices these ops replicated, but DTensor ran them on shards without the
+            # gather: the result could be silently wrong, so this plan does not run
+            raise UnsupportedLayoutError(
+                f"layout {lay.short()}: the plan runs {', '.join(sorted(unexecuted))} replicated (no "
+                "sharding rule autopar trusts) but the tensor-parallel pass did not gather its "
+                "inputs; tensor parallelism around it is not executed yet: use tp=1 for this model")
+        fallbacks += [Fallback(op, "no DTensor strategy for its inputs' placements: gathered, run "
+                               "replicated on every TP rank") for op in traced.fallback_ops
+                      if op not in planned]
+    # the plan lists what ran: the TP pass's fallbacks join the planned ones
+    decisions.fallbacks = fallbacks
+    if strict and fallbacks:
+        raise UnsupportedLayoutError(
+            "strict=True: these ops would run replicated under tensor parallelism: "
+            + ", ".join(f.op for f in fallbacks) + "; use a layout without TP (tp=1), or strict=False "
+            "to accept the replication (listed in pm.plan.fallbacks)")
     accumulate_gm = None
+    inputs = list(signature.inputs)
     if lay.dp > 1:
-        seed = next(node for (kind, _), node in zip(inputs, holders) if kind == "tangent")
-        dp_args = (params, grads, loss_index, shapes, lay.zero, lay.dp, mesh["dp"].get_group().group_name,
-                   seed, _dp_rank(mesh), device_type != "cpu")  # gloo: ZeRO reduces by all-reduce
+        group = AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh))
+        dp_plan = decisions.data_parallel()
         # whole gradients on every rank (DP, ZeRO-1): reduce once per step, after the last
         # micro-batch; sharded gradients (ZeRO-2/3) are reduced by every micro-batch
         no_sync = m > 1 and lay.zero <= 1
         if no_sync:
             accumulate_gm = copy.deepcopy(gm)
-            apply_data_parallel(accumulate_gm, *dp_args, sync="none")
-        sharded = apply_data_parallel(gm, *dp_args, sync="accumulated" if no_sync else "reduce")
+            apply_data_parallel(accumulate_gm, signature, shapes, dp_plan, group, sync="none")
+        apply_data_parallel(gm, signature, shapes, dp_plan, group,
+                            sync="accumulated" if no_sync else "reduce")
         inputs += [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
                    if node.op == "placeholder" and "accumulates" in node.meta]
     rank_graph = RankGraph(
         gm=gm,
         inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
-        loss_index=loss_index,
-        grad_index=grads,
+        loss_index=signature.loss_index,
+        grad_index=signature.grad_index,
         micro_batches=m,
         accumulate_gm=accumulate_gm,
+        buffer_index=signature.buffer_index,
     )
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
     module = copy.deepcopy(model)
-    _to_dtensors(module, mesh, lay, sharded, tp_placements, graph.aliases)
-    return ParallelModule(module, rank_graph, chosen, mesh, [tuple(x.shape) for x in example_inputs],
-                          list(params))
+    _to_dtensors(module, mesh, decisions, graph.aliases)
+    shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
+    return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, list(signature.placeholder_of("param")),
+                          local_batch=local_batch)
+
+
+def _signature(gm, inputs, grad_index, loss_index, buffer_index) -> GraphSignature:
+    return GraphSignature(inputs=list(inputs),
+                          placeholders=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
+                          grad_index=dict(grad_index), loss_index=loss_index,
+                          buffer_index=dict(buffer_index))
 
 
 def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> DeviceMesh:
@@ -224,15 +262,43 @@ _LOCAL_GRAPHS = StepCache(size=4)
 
 
 def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn):
-    """Capture the per-rank step; re-used (a fresh copy each time) for a model of the same
-    class, parameter names and shapes, and input shapes, e.g. when trying several layouts."""
+    """Capture the per-rank step; re-used (a fresh copy each time) for a model whose
+    `step_key` is the same (class, attributes, mode, dtypes, inputs, loss), e.g. when trying
+    several layouts."""
     key = step_key(model, local_inputs, loss_fn)
     graph = copy.copy(_LOCAL_GRAPHS.get(key, lambda: capture(model, local_inputs, loss_fn=loss_fn)))
     graph.gm = copy.deepcopy(graph.gm)  # the passes rewrite it in place
     return graph
 
 
-def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
+def _model_precision(model: nn.Module) -> str:
+    """The precision the runtime runs: the model's own dtype (it inserts no casts)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in names:
+        raise InputError(f"the model's parameters have dtypes {sorted(map(str, dtypes))}: parallelize "
+                         "runs fp32 or bf16 models of one dtype; convert with model.float() or "
+                         "model.to(torch.bfloat16)")
+    return names[next(iter(dtypes))]
+
+
+def _executable(layout: Layout, precision: str) -> None:
+    """Raise `UnsupportedLayoutError` for any decision of ``layout`` the runtime cannot run."""
+    missing = unsupported_decisions(layout)
+    if layout.precision != precision and layout.precision != "fp8":
+        missing.append(f"precision={layout.precision!r} on a {precision} model (the runtime runs the "
+                       f"model's dtype; convert the model with model.to(...) instead)")
+    if missing:
+        raise UnsupportedLayoutError(
+            f"layout {layout.short()}: autopar.parallelize does not execute "
+            + "; ".join(missing) + " yet. Run a DP / ZeRO / TP / TP+SP layout without them "
+            "(pp=cp=ep=1, recompute='none', the model's precision), or use the plan for its predictions")
+
+
+def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster) -> Plan:
+    world = cluster.world_size
+    batch = example_inputs[0].shape[0]
+    precision = _model_precision(model)
     if plan is not None:
         if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
             raise InputError("this plan was made for another model (parameter names or shapes "
@@ -240,33 +306,67 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, world) -> Plan:
         if plan.layout.world_size != world:
             raise InputError(f"this plan is for {plan.layout.world_size} devices "
                              f"({plan.cluster.describe()}) but {world} ranks are running")
+        if plan.batch and plan.batch != batch:
+            raise InputError(f"this plan is for a batch of {plan.batch} sequences, the example inputs "
+                             f"hold {batch}: plan again for this batch")
+        _executable(plan.layout, precision)
         return plan
-    cluster = Cluster.local(ranks=world, threads_per_rank=torch.get_num_threads())
-    if layout is not None:
-        batch = example_inputs[0].shape[0]
-        if batch % layout.dp == 0 and layout.tp == 1:
-            # price the layout on the per-rank micro-batch capture that parallelize runs
-            # (activations are linear in the batch)
-            local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
-            micro = tuple(x[: max(1, x.shape[0] // layout.grad_accum)] for x in local)
-            graph = _capture_local(model, micro, loss_fn)
-            fused = not cluster.gpu.is_cpu  # CPU ranks run eager kernels
-            facts = CapturedStep(graph, analyze(graph), getattr(model, "config", None), fused=fused).facts()
-            check_layout(facts.rebatch(batch), cluster, layout)
-            return make_layout_plan(facts.rebatch(batch), cluster, layout,
-                                    model=getattr(getattr(model, "config", None), "name", type(model).__name__),
-                                    fingerprint=model_fingerprint(model))
-        return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, layout=layout)
-    return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, executable_only=True)
+    if layout is None:
+        return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, executable_only=True,
+                         precision=precision)
+    layout = layout.resolve(batch, precision)
+    _executable(layout, precision)
+    if layout.world_size != world:
+        raise InputError(f"layout {layout.short()} needs {layout.world_size} ranks but {world} are "
+                         "running: change the degrees to multiply to the world size")
+    if batch % (layout.dp * layout.grad_accum):
+        raise InputError(f"the batch of {batch} does not split over dp={layout.dp} ranks x "
+                         f"grad_accum={layout.grad_accum} micro-batches")
+    name = getattr(getattr(model, "config", None), "name", type(model).__name__)
+    if layout.tp == 1:
+        # price the layout on the per-rank micro-batch capture that parallelize runs
+        # (activations are linear in the batch)
+        local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
+        micro = tuple(x[: x.shape[0] // layout.grad_accum] for x in local)
+        graph = _capture_local(model, micro, loss_fn)
+        step = CapturedStep(graph, analyze(graph), getattr(model, "config", None),
+                            fused=not cluster.gpu.is_cpu)  # CPU ranks run eager kernels
+        facts = step.facts_for(cluster, layout).rebatch(batch)
+        check_layout(facts, cluster, layout)
+        return make_layout_plan(step, cluster, layout, model=name, fingerprint=model_fingerprint(model),
+                                facts=facts)
+    return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, layout=layout)
 
 
-def _to_dtensors(module: nn.Module, mesh: DeviceMesh, layout: Layout, sharded: set[str],
-                 tp_placements: dict, aliases: dict[str, str]) -> None:
+def placement_of(placement) -> AxisPlacement:
+    """A DTensor placement in the plan's vocabulary (for comparing what runs with the plan)."""
+    if isinstance(placement, _StridedShard):
+        return AxisPlacement.shard(placement.dim, placement.split_factor)
+    if isinstance(placement, Shard):
+        return AxisPlacement.shard(placement.dim)
+    if isinstance(placement, Replicate):
+        return AxisPlacement.replicate()
+    raise AutoparError(f"placement {placement!r} is not one autopar plans")
+
+
+def _local_shard(data: torch.Tensor, place: AxisPlacement, n: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``data`` under ``place`` over ``n`` ranks."""
+    if not place.is_shard:
+        return data
+    if place.split_factor == 1:
+        return data.chunk(n, dim=place.dim)[rank]
+    parts = data.chunk(place.split_factor, dim=place.dim)
+    return torch.cat([part.chunk(n, dim=place.dim)[rank] for part in parts], dim=place.dim)
+
+
+def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
+                 aliases: dict[str, str]) -> None:
     """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placements.
 
     On the ("dp", "tp") mesh a weight is first split over TP, then (ZeRO) its TP shard's rows
     over DP; when both split dim 0 that is DTensor's right-to-left `_StridedShard` order.
     """
+    layout = decisions.layout
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     made: dict[int, nn.Parameter] = {}
     for mod_name, sub in module.named_modules(remove_duplicate=False):
@@ -274,19 +374,24 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, layout: Layout, sharded: s
             if p is None:
                 continue
             full_name = f"{mod_name}.{pname}" if mod_name else pname
-            canonical = aliases.get(full_name, full_name)
+            decided = decisions.params[aliases.get(full_name, full_name)]
             if id(p) not in made:
                 data = p.detach()
-                tp_place = tp_placements.get(canonical, Replicate())
-                local = data
-                if isinstance(tp_place, Shard):
-                    local = local.chunk(layout.tp, dim=tp_place.dim)[tp_rank]
-                dp_place = Replicate()
-                if canonical in sharded:
+                tp_place = decided.placements.get("tp", AxisPlacement.replicate())
+                dp_place = decided.placements["dp"]
+                local = _local_shard(data, tp_place, layout.tp, tp_rank)
+                if dp_place.is_shard:  # ZeRO: the rows of the TP-local shard
                     local = local.chunk(layout.dp, dim=0)[dp_rank]
-                    strided = isinstance(tp_place, Shard) and tp_place.dim == 0 and layout.tp > 1
-                    dp_place = _StridedShard(0, split_factor=layout.tp) if strided else Shard(0)
-                dt = DTensor.from_local(local.contiguous().clone(), mesh, [dp_place, tp_place],
+                placements = [_dtensor_placement(dp_place), _dtensor_placement(tp_place)]
+                dt = DTensor.from_local(local.contiguous().clone(), mesh, placements,
                                         run_check=False, shape=data.shape, stride=data.stride())
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             sub._parameters[pname] = made[id(p)]
+
+
+def _dtensor_placement(place: AxisPlacement):
+    if not place.is_shard:
+        return Replicate()
+    if place.split_factor > 1:
+        return _StridedShard(place.dim, split_factor=place.split_factor)
+    return Shard(place.dim)

@@ -128,9 +128,14 @@ class Plan:
         lines.append(table(["memory per device", ""], mem, "lr"))
         lines.append("")
         lines.append(self._placement_table())
+        lines.append("")
         if lay.pp > 1:
             lines.append("pipeline stages: " + ", ".join(
                 f"{i}: blocks {a}-{b}" for i, (a, b) in enumerate(self.stages)))
+        lines.append("recompute: " + (_fold(self.recompute) if self.recompute else "none"))
+        lines.append("fp8 matmuls: " + (_fold(self.fp8) if self.fp8 else "none"))
+        lines.append("fallbacks: " + ("; ".join(f"{f.op} ({f.reason})" for f in self.fallbacks)
+                                      if self.fallbacks else "none"))
         return "\n".join(lines)
 
     def _placement_table(self) -> str:
@@ -200,6 +205,7 @@ class Plan:
             "batch": self.batch,
             "seq": self.seq,
             "num_params": self.num_params,
+            "layout": self.layout.to_dict(),  # the decisions' layout, for readers of the file
             "decisions": self.decisions.to_dict(),
             "cluster": self.cluster.to_dict(),
             "predicted": self.predicted.as_dict(),
@@ -257,6 +263,15 @@ class Plan:
         p = self.predicted
         return (f"Plan({self.layout.short()}, step {fmt_time(p.step_time_s)}, "
                 f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {'fits' if p.fits else 'does not fit'})")
+
+
+def _fold(items: list[str]) -> str:
+    """Names with block indices folded into '*', each pattern once, with its count."""
+    counts: dict[str, int] = {}
+    for item in items:
+        key = re.sub(r"(?<=\.)\d+(?=\.)|(?<=block )\d+", "*", item)
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{k} (x{n})" if n > 1 else k for k, n in counts.items())
 
 
 def _collectives_of(role: str, layout: Layout) -> str:

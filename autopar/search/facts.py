@@ -19,14 +19,24 @@ from autopar.analysis.graph import GraphAnalysis
 from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
-from cost.step import StepFacts
+from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
+# the columns of `NodeTable` and `SavedTable` as built here, with their array dtypes
+_NODE_DTYPES = {
+    "name": str, "flops": float, "vflops": float, "bytes_act": float, "bytes_const": float,
+    "batch_dep": bool, "tp_div": bool, "sp_div": bool, "is_matmul": bool,
+    "fp8_act_bytes": float, "fp8_const_bytes": float, "forward": bool, "launch": bool,
+    "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
+    "attention_kv_bytes": float,
+}
+_SAVED_DTYPES = {"bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool,
+                 "layer": int, "heavy": bool}
 
 
 def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True,
                      roles: dict[str, str] | None = None) -> StepFacts:
-    """The cost facts of a captured step (`cost.step.StepFacts`), once per graph and TP recipe.
+    """The cost facts of a captured step (`cost.step_facts.StepFacts`), once per graph and TP recipe.
 
     config: a zoo ModelConfig (optional) supplies head counts. fused: price element-wise chains
     as fused kernels and save what a fused step saves (torch.compile, nanotron's kernels); False
@@ -46,10 +56,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
     bd = tp.batch_dependent
     expert_prefixes = _expert_modules(graph)
 
-    arrays: dict[str, list] = {k: [] for k in (
-        "flops", "vflops", "bytes_act", "bytes_const", "batch_dep", "tp_div", "sp_div",
-        "is_matmul", "fp8_act_bytes", "fp8_const_bytes", "forward", "launch", "hides_gather", "hides_reduce", "layer", "is_attention", "attention_kv_bytes",
-    )}
+    arrays: dict[str, list] = {k: [] for k in _NODE_DTYPES}
     expert_io = np.zeros(max(n_layers, 1) + 2)
     for node in nodes:
         if node.op != "call_function":
@@ -70,6 +77,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         param_mm = node.name in tp.sharded_matmul or (
             info.is_matmul and any(i.name in tp.weight_of for i in node.all_input_nodes)
         )
+        arrays["name"].append(node.name)
         arrays["flops"].append(info.flops)
         arrays["vflops"].append(info.vector_flops)
         arrays["bytes_act"].append(act_in + (written if out_bd else 0))
@@ -95,16 +103,16 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
                 if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward":
                     expert_io[layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
 
-    saved = {k: [] for k in ("bytes", "bd", "tp", "sp", "layer", "heavy")}
+    saved: dict[str, list] = {k: [] for k in _SAVED_DTYPES}
     for name, nbytes in saved_values.items():
         info = analysis.nodes[name]
         state = tp.state.get(name, "R")
         node_bd = bd.get(name, False)
         saved["bytes"].append(nbytes)
-        saved["bd"].append(node_bd)
-        saved["tp"].append(state == "S")
+        saved["batch_dep"].append(node_bd)
+        saved["tp_div"].append(state == "S")
         # a saved partial sum is stored after its reduction: replicated, or sequence-sharded
-        saved["sp"].append(state in ("R", "P") and node_bd)
+        saved["sp_div"].append(state in ("R", "P") and node_bd)
         saved["layer"].append(layer_eff.get(name, -1))
         saved["heavy"].append(info.flops > 0 or info.is_matmul)
 
@@ -119,46 +127,30 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         kv_heads=getattr(config, "n_kv_heads", None),
         n_experts=getattr(config, "n_experts", 0) or 0,
         total_flops=analysis.forward_flops + analysis.backward_flops,
-        flops=np.array(arrays["flops"], dtype=float),
-        vflops=np.array(arrays["vflops"], dtype=float),
-        bytes_act=np.array(arrays["bytes_act"], dtype=float),
-        bytes_const=np.array(arrays["bytes_const"], dtype=float),
-        batch_dep=np.array(arrays["batch_dep"], dtype=bool),
-        tp_div=np.array(arrays["tp_div"], dtype=bool),
-        sp_div=np.array(arrays["sp_div"], dtype=bool),
-        is_matmul=np.array(arrays["is_matmul"], dtype=bool),
-        fp8_act_bytes=np.array(arrays["fp8_act_bytes"], dtype=float),
-        fp8_const_bytes=np.array(arrays["fp8_const_bytes"], dtype=float),
-        forward=np.array(arrays["forward"], dtype=bool),
-        launch=np.array(arrays["launch"], dtype=bool),
-        hides_gather=np.array(arrays["hides_gather"], dtype=bool),
-        hides_reduce=np.array(arrays["hides_reduce"], dtype=bool),
-        layer=np.array(arrays["layer"], dtype=int),
-        is_attention=np.array(arrays["is_attention"], dtype=bool),
-        attention_kv_bytes=np.array(arrays["attention_kv_bytes"], dtype=float),
-        saved_bytes=np.array(saved["bytes"], dtype=float),
-        saved_batch_dep=np.array(saved["bd"], dtype=bool),
-        saved_tp_div=np.array(saved["tp"], dtype=bool),
-        saved_sp_div=np.array(saved["sp"], dtype=bool),
-        saved_layer=np.array(saved["layer"], dtype=int),
-        saved_heavy=np.array(saved["heavy"], dtype=bool),
+        nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()}),
+        saved=SavedTable(**{k: np.array(v, dtype=_SAVED_DTYPES[k]) for k, v in saved.items()}),
+        events=EventTable(
+            node=np.array([e.node for e in events], dtype=str),
+            bytes=np.array([e.nbytes for e in events], dtype=float),
+            batch_dep=np.array([e.batch_dependent for e in events], dtype=bool),
+            reduce=np.array([e.kind == "reduce" for e in events], dtype=bool),
+            layer=np.array([layer_eff.get(e.node, -1) for e in events], dtype=int),
+            forward=np.array([e.forward for e in events], dtype=bool),
+            always=np.array([e.always for e in events], dtype=bool),
+        ),
+        params=ParamTable(
+            numel={n: math.prod(graph.param_shapes[n]) for n in params},
+            tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
+            expert={n: _under(n, expert_prefixes) for n in params},
+            stages_layer=consumers,
+            dtype_bytes={n: torch.empty((), dtype=graph.param_dtypes[n]).element_size() for n in params},
+            tp_role=dict(tp.roles),
+            tp_dim={n: tp.param_shard_dim(n) for n in params},
+            shape={n: tuple(graph.param_shapes[n]) for n in params},
+            tp_parts=dict(getattr(tp, "fused_parts", {})),
+        ),
         block_input_bytes=_block_input_bytes(graph, analysis, bd),
-        event_bytes=np.array([e.nbytes for e in events], dtype=float),
-        event_batch_dep=np.array([e.batch_dependent for e in events], dtype=bool),
-        event_reduce=np.array([e.kind == "reduce" for e in events], dtype=bool),
-        event_layer=np.array([layer_eff.get(e.node, -1) for e in events], dtype=int),
-        event_forward=np.array([e.forward for e in events], dtype=bool),
-        event_always=np.array([e.always for e in events], dtype=bool),
         expert_io_bytes=expert_io,
-        param_numel={n: math.prod(graph.param_shapes[n]) for n in params},
-        param_tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
-        param_expert={n: _under(n, expert_prefixes) for n in params},
-        param_stages_layer=consumers,
-        param_dtype_bytes={n: torch.empty((), dtype=graph.param_dtypes[n]).element_size() for n in params},
-        tp_roles=dict(tp.roles),
-        param_tp_dim={n: tp.param_shard_dim(n) for n in params},
-        param_shape={n: tuple(graph.param_shapes[n]) for n in params},
-        param_tp_parts=dict(getattr(tp, "fused_parts", {})),
         tp_fallbacks=sorted(tp.fallback_ops),
     )
     return facts

@@ -59,7 +59,7 @@ class CapturedStep:
         if key not in self._ilp:
             head_dim = getattr(self.config, "head_dim", None)
             self._ilp[key] = solve_tp_roles(self.graph, self.analysis, cluster, tp, sp=True,
-                                            head_dim=head_dim, base=self.recipe)
+                                            head_dim=head_dim, base=self.recipe, fused=self.fused)
         return self._ilp[key]
 
     def tp_variants(self, cluster: Cluster, tp: int) -> list[tuple[str, StepFacts]]:

@@ -11,11 +11,26 @@ choice) takes one role on the TP axis of degree t:
 The forward graph between weight matmuls falls into segments (connected element-wise, norm and
 attention nodes); a segment is sharded (S) exactly when one of its producing matmuls is
 column-parallel, and replicated (R) otherwise. The objective is the step's time on one rank
-for one micro-batch: matmul and segment compute (divided by t where sharded; R segments too
-under sequence parallelism) plus the collectives each role and segment state implies on the
-edges between them (partial -> reduce; sharded -> replicated: all-gather; backward
-conjugates), products of binaries linearised as usual. Feasibility: a sharded dimension must
-divide by t, and heads must not be split (an attention input's head count divides by t).
+for the captured batch, priced by the step model itself (`cost.step.predict`'s terms): every
+node and its backward at the roofline of `cost.terms.compute.roofline_times`, whole or split t
+ways (sharded nodes; R ones too under sequence parallelism), slowed by `FRAMEWORK_EFFICIENCY`;
+and the collectives each role and segment state implies, priced by `cost.comm.collective_time`
+on the TP group with `cost.terms.tensor_parallel.event_collective` (SP: reduce-scatter and
+all-gather; without: all-reduce, and the gathers a replicated use needs): a row layer's
+partial output reduced (where Megatron's recipe reduces it) and, under SP, its gradient
+gathered; the SP gather of a column layer's replicated input and the reduction of its input
+gradient, once per value however many layers share it (q, k, v); a sharded value gathered for
+a column or replicated layer; a replicated output's gradient gathered into a sharded segment;
+under SP a replicated weight's gradient all-reduced; a vocabulary-parallel table's output
+reduced. As in `predict`, the SP gathers hide behind the column matmuls and the input-gradient
+reductions behind the sharded layers' weight-gradient matmuls (`comm_overlap`), with the
+exposed rest linearised per pool (the tied blocks together; the rest); products of binaries
+are linearised as usual. Feasibility: a sharded dimension must divide by t, and heads must not
+be split (an attention input's head count divides by t).
+
+Not priced (constant across roles, or small): nodes outside the segments and matmuls (weight
+casts), the parallel loss's three small all-reduces, and where other roles move the recipe's
+reduction points (the ILP keeps Megatron's).
 
 The Megatron recipe is one feasible point; where heads do not divide (grouped-query K/V with
 fewer heads than t) the ILP replicates instead of failing.
@@ -28,13 +43,18 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from ortools.linear_solver import pywraplp
 
+from autopar.analysis.fusion import external_bytes, fusion_groups
 from autopar.analysis.graph import GraphAnalysis
 from autopar.capture.joint import TrainingGraph
 from autopar.strategies.tp_recipe import COL, REPLICATED, ROW, VOCAB, TPRecipe, find_tp_recipe
-from cost import Cluster, axis_group, collective_time
+from cost import Cluster, collective_time
+from cost.terms.common import comm_overlap, default_precision
+from cost.terms.compute import FRAMEWORK_EFFICIENCY, compute_dtype, roofline_times
+from cost.terms.tensor_parallel import event_collective, tp_group
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default}
@@ -52,6 +72,8 @@ class ILPResult:
     constraints: int
     solve_time_s: float
     status: str
+    compute_s: float = 0.0  # the objective's compute part (matmuls, segments, their backward)
+    comm_s: float = 0.0  # its TP collectives (exposed after overlap)
 
 
 def group_of(name: str) -> str:
@@ -68,34 +90,57 @@ def solve_tp_roles(
     sp: bool = True,
     head_dim: int | None = None,
     base: TPRecipe | None = None,
+    fused: bool = True,
+    fixed: dict[str, str] | None = None,
 ) -> ILPResult:
-    """Choose every weight's TP role for degree ``tp`` by an ILP; see the module docstring."""
+    """Choose every weight's TP role for degree ``tp`` by an ILP; see the module docstring.
+
+    fused: price nodes as fused kernels (as `build_step_facts` does by default). fixed: roles
+    of some weight groups (`group_of` keys) to impose instead of choosing; with it the memory
+    bound is dropped, so that the objective prices any given assignment (a check of the ILP
+    against `cost.step.predict`).
+    """
     t0 = time.perf_counter()
     base = base or find_tp_recipe(graph, analysis)
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     info = analysis.nodes
     weight_of, bd = base.weight_of, base.batch_dependent
-    gpu = cluster.gpu
-    group = axis_group(cluster, tp, 1)
+    group = tp_group(cluster, tp)
+    full_s, shard_s = _node_seconds(graph, analysis, cluster, tp, fused)
+    overlap = comm_overlap(cluster)
 
-    def op_time(name: str) -> float:
-        i = info[name]
-        if i.is_view:
-            return 0.0
-        rate = gpu.peak("bf16") * gpu.efficiency("bf16") if (i.flops and "bf16" in gpu.peak_flops) else gpu.peak("fp32")
-        return max(i.flops / rate, (i.bytes_read + i.bytes_written) / (gpu.memory_bw * gpu.memory_efficiency))
+    def comm(kind: str | None, nbytes: float) -> float:
+        return collective_time(kind, float(nbytes), group, cluster) if (kind and nbytes) else 0.0
 
-    def comm(kind: str, nbytes: float) -> float:
-        return collective_time(kind, float(nbytes), group, cluster) if nbytes else 0.0
+    def reduce_s(nbytes: float) -> float:  # a partial value reduced (RS under SP, else AR)
+        return comm(event_collective(True, False, sp), nbytes)
 
-    # backward work of each forward node: backward nodes with its autograd sequence number
-    backward_of: dict[int, float] = defaultdict(float)
+    def gather_s(nbytes: float, always: bool) -> float:  # AG under SP; without, only if always
+        return comm(event_collective(False, always, sp), nbytes)
+
+    # backward nodes of each forward node: those with its autograd sequence number, counted
+    # once: for the matmul of a sequence number if it has one (a linear's views share it),
+    # else for its first non-view forward node
+    backward_of: dict[int, list[str]] = defaultdict(list)
+    owner: dict[int, str] = {}
     for n in graph.gm.graph.nodes:
-        if n.op == "call_function" and info[n.name].phase == "backward" and "seq_nr" in n.meta:
-            backward_of[n.meta["seq_nr"]] += op_time(n.name)
+        if n.op != "call_function" or "seq_nr" not in n.meta:
+            continue
+        if info[n.name].phase == "backward":
+            backward_of[n.meta["seq_nr"]].append(n.name)
+        elif not info[n.name].is_view:
+            seq = n.meta["seq_nr"]
+            if seq not in owner or (n.target in _MATMULS and nodes[owner[seq]].target not in _MATMULS):
+                owner[seq] = n.name
 
-    def work(name: str) -> float:
-        return op_time(name) + backward_of.get(nodes[name].meta.get("seq_nr"), 0.0)
+    def bwd(name: str) -> list[str]:
+        seq = nodes[name].meta.get("seq_nr")
+        return backward_of.get(seq, []) if owner.get(seq) == name else []
+
+    def work(name: str) -> tuple[float, float]:
+        """(replicated, sharded) seconds of a forward node and its backward."""
+        names = [name, *bwd(name)]
+        return sum(full_s.get(k, 0.0) for k in names), sum(shard_s.get(k, 0.0) for k in names)
 
     # forward weight matmuls and their weights
     matmuls: dict[str, tuple[str, torch.fx.Node]] = {}  # node -> (param, activation input)
@@ -139,13 +184,19 @@ def solve_tp_roles(
     def options(param: str, is_embedding: bool) -> list[str]:
         shape = shapes[param]
         if is_embedding:
-            return [VOCAB, REPLICATED] if shape[0] % tp == 0 else [REPLICATED]
-        opts = [REPLICATED]
-        heads = attention_heads_in.get(param)
-        if len(shape) == 2 and shape[0] % tp == 0 and (heads is None or heads % tp == 0):
-            opts.append(COL)
-        if len(shape) == 2 and shape[1] % tp == 0:
-            opts.append(ROW)
+            opts = [VOCAB, REPLICATED] if shape[0] % tp == 0 else [REPLICATED]
+        else:
+            opts = [REPLICATED]
+            heads = attention_heads_in.get(param)
+            if len(shape) == 2 and shape[0] % tp == 0 and (heads is None or heads % tp == 0):
+                opts.append(COL)
+            if len(shape) == 2 and shape[1] % tp == 0:
+                opts.append(ROW)
+        forced = (fixed or {}).get(group_of(param))
+        if forced is not None:
+            if forced not in opts:
+                raise ValueError(f"role {forced!r} is not feasible for {group_of(param)} at tp={tp}")
+            opts = [forced]
         return opts
 
     def role_vars(param: str, is_embedding: bool = False) -> dict[str, pywraplp.Variable]:
@@ -157,7 +208,17 @@ def solve_tp_roles(
         return groups[key]
 
     zero = solver.NumVar(0, 0, "zero")
-    objective = []
+    compute, objective = [], []  # seconds of compute, and of TP communication
+    # collectives Megatron overlaps, per pool (the blocks together: they are tied; the rest),
+    # and the matmul seconds that hide them, as `cost.terms.tensor_parallel` prices them
+    overlappable = {k: {"gather": [], "reduce": [], "hide_gather": [], "hide_reduce": []}
+                    for k in ("blocks", "outside")}
+
+    def pool_of(name: str) -> str:
+        return "blocks" if info[name].layer is not None else "outside"
+
+    def pool(name: str) -> dict[str, list]:
+        return overlappable[pool_of(name)]
 
     # Tie the L blocks: a segment is known by the weight groups that produce and consume it,
     # so the same segment of every block shares one state variable, and every cost below is
@@ -171,9 +232,11 @@ def solve_tp_roles(
         if x.name in segment:
             consumers[segment[x.name]].add(group_of(param))
     seg_key = {seg: (frozenset(producers[seg]), frozenset(consumers[seg])) for seg in set(segment.values())}
-    seg_work: dict[tuple, float] = defaultdict(float)
+    seg_work: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for name, seg in segment.items():
-        seg_work[seg_key[seg]] += work(name)
+        full, shard = work(name)
+        seg_work[seg_key[seg]][0] += full
+        seg_work[seg_key[seg]][1] += shard
     key_param = {}
     for param in {p for p, _ in matmuls.values()}:
         key_param.setdefault(group_of(param), param)
@@ -184,8 +247,10 @@ def solve_tp_roles(
         for c in cols:
             solver.Add(y >= c)
         solver.Add(y <= sum(cols) if cols else y <= 0)
-        w = seg_work[key]
-        objective.append(w / tp if sp else w - w * (1 - 1 / tp) * y)
+        full, shard = seg_work[key]
+        # a sharded segment runs 1/t of its work; under SP a replicated one too (on its
+        # sequence shard), without SP it runs whole
+        compute.append(shard if sp else full - (full - shard) * y)
 
     counter = iter(range(10**9))
 
@@ -199,71 +264,89 @@ def solve_tp_roles(
         solver.Add(z >= a + b - 1)
         return z
 
-    compute: dict[str, float] = defaultdict(float)
-    reduce_cost: dict[str, float] = defaultdict(float)
-    sliced_out: dict[tuple, float] = defaultdict(float)  # (group, segment key) -> all-gather s
-    gathered_in: dict[tuple, float] = defaultdict(float)  # (group, segment key) -> AG + RS s
-    sliced_in: dict[tuple, float] = defaultdict(float)
-    shared: dict[tuple, float] = defaultdict(float)  # (consumer groups, segment key) -> s
-    roots: dict[str, tuple[set, tuple, float]] = {}
+    param_bytes: dict[str, float] = defaultdict(float)  # group -> one AR per parameter
+    for p in shapes:
+        nbytes = float(torch.Size(shapes[p]).numel()) * torch.empty((), dtype=graph.param_dtypes[p]).element_size()
+        param_bytes[group_of(p)] += comm("all_reduce", nbytes)
+    roots: dict[str, tuple[set, tuple, float, str]] = {}
+    rs_cost: dict[tuple, float] = defaultdict(float)  # (group, segment key) -> seconds
+    ag_cost: dict[tuple, float] = defaultdict(float)
+    reduced_at = {e.node: e.nbytes for e in base.events if e.kind == "reduce" and e.forward}
     for mm, (param, x) in matmuls.items():
         g = group_of(param)
-        compute[g] += work(mm)
+        roles = role_vars(key_param[g])
+        sharded = sum(v for r, v in roles.items() if r != REPLICATED)
+        full, shard = work(mm)
+        # a replicated weight's matmul runs whole, or under SP on the sequence shard (its
+        # gradient is then partial: all-reduced over TP, as the norms' are)
+        compute.append((shard if sp else full) * roles.get(REPLICATED, zero) + shard * sharded)
+        if sp:
+            objective.append(param_bytes[g] / max(1, _count(matmuls, g)) * roles.get(REPLICATED, zero))
+        # Megatron's overlaps: column matmuls hide the SP gather of their input, the sharded
+        # layers' weight-gradient matmuls the backward reduction of their input's gradient
+        if COL in roles:
+            pool(mm)["hide_gather"].append(shard_s.get(mm, 0.0) * roles[COL])
+        wgrad = sum(shard_s.get(b, 0.0) for b in bwd(mm) if b in base.weight_grad_matmul)
+        if wgrad:
+            pool(mm)["hide_reduce"].append(wgrad * sharded)
         out_bytes = info[mm].nbytes
-        # partial output reduced: all-reduce, or reduce-scatter under SP; an attention input
-        # must be whole on its heads' ranks: all-reduce either way
-        kind = "reduce_scatter" if sp and param not in attention_heads_in else "all_reduce"
-        reduce_cost[g] += comm(kind, out_bytes)
+        if ROW in roles:
+            # partial output reduced (forward; where the recipe reduces it, after a cast to
+            # fp32 for the residual, say) and its gradient gathered (backward, SP): fixed
+            reduced = _reduced_bytes(nodes[mm], reduced_at, info)
+            objective.append((reduce_s(reduced) + gather_s(reduced, False)) * roles[ROW])
         for user in nodes[mm].users:
-            if user.name in segment:  # a replicated output entering a sharded segment: sliced
-                sliced_out[(g, seg_key[segment[user.name]])] += comm("all_gather", out_bytes)
+            if user.name in segment and REPLICATED in roles:
+                # a replicated output entering a sharded segment: its gradient is gathered
+                rs_cost[(g, seg_key[segment[user.name]])] += gather_s(out_bytes, True)
                 break
         in_bytes = info[x.name].nbytes
         key = seg_key.get(segment.get(x.name, ""))
-        gathered_in[(g, key)] += comm("all_gather", in_bytes) + comm("reduce_scatter", in_bytes)
-        sliced_in[(g, key)] += comm("all_gather", in_bytes)
+        if key is not None:
+            # a sharded input gathered for a column or replicated weight (per consumer; not an
+            # SP gather: nothing hides it, as `cost.terms.tensor_parallel` has it)
+            ag_cost[(g, key)] += gather_s(in_bytes, True)
         root = info[x.name].storage
-        groups_of_root, _, _ = roots.setdefault(root, (set(), key, in_bytes))
+        groups_of_root = roots.setdefault(root, (set(), key, in_bytes, x.name))[0]
         groups_of_root.add(g)
-    for groups_of_root, key, in_bytes in roots.values():
-        # column consumers of one value: one backward all-reduce (SP: forward all-gather and
-        # backward reduce-scatter) of its gradient, however many consumers share it (q, k, v)
-        cost = comm("all_gather", in_bytes) + comm("reduce_scatter", in_bytes) if sp else comm("all_reduce", in_bytes)
-        shared[(frozenset(groups_of_root), key)] += cost
-    for g, w in compute.items():
-        roles = role_vars(key_param[g])
-        sharded = sum(v for r, v in roles.items() if r != REPLICATED)
-        objective.append(w * roles[REPLICATED] + (w / tp) * sharded)
-        if ROW in roles:
-            objective.append(reduce_cost[g] * roles[ROW])
-    for (g, key), cost in sliced_out.items():
-        roles = role_vars(key_param[g])
-        objective.append(cost * both(roles[REPLICATED], seg_state[key], f"rs[{g}]"))
-    for (g, key), cost in gathered_in.items():
-        roles = role_vars(key_param[g])
-        needs_r = [v for r, v in roles.items() if r in (COL, REPLICATED)]
-        y = seg_state.get(key, zero)
-        if needs_r:  # a sharded input gathered for a column or replicated weight
-            objective.append(cost * both(sum(needs_r), y, f"ag[{g}]"))
-        if ROW in roles:  # a replicated input sliced for a row weight; gradient all-gathered
-            w_ = fresh(f"sl[{g}]")
-            solver.Add(w_ >= roles[ROW] - y)
-            objective.append(sliced_in[(g, key)] * w_)
-    for (groups_of_root, _key), cost in shared.items():
+    # the same costs of every block under one variable each: the size does not grow with depth
+    for (g, key), cost in rs_cost.items():
+        objective.append(cost * both(role_vars(key_param[g])[REPLICATED], seg_state[key], f"rs[{g}]"))
+    for (g, key), cost in ag_cost.items():
+        needs_r = [v for r, v in role_vars(key_param[g]).items() if r in (COL, REPLICATED)]
+        if needs_r:
+            objective.append(cost * both(sum(needs_r), seg_state[key], f"ag[{g}]"))
+    shared: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for groups_of_root, key, in_bytes, x_name in roots.values():
+        # column consumers of one value (q, k, v): one SP gather of the value if it is
+        # replicated, one backward reduction of its gradient, however many consumers share it
+        costs = shared[(frozenset(groups_of_root), key, pool_of(x_name))]
+        costs[0] += reduce_s(in_bytes)
+        costs[1] += gather_s(in_bytes, False) if (sp and bd.get(x_name)) else 0.0
+    for (groups_of_root, key, where), (reduce_cost, gather_cost) in shared.items():
         a = fresh("a")
         for g in groups_of_root:
-            roles = role_vars(key_param[g])
-            solver.Add(a >= roles.get(COL, zero))
-            if sp:
-                solver.Add(a >= roles[REPLICATED])
-        objective.append(cost * a)
+            solver.Add(a >= role_vars(key_param[g]).get(COL, zero))
+        overlappable[where]["reduce"].append(reduce_cost * a)
+        if gather_cost:
+            z = fresh("g")
+            solver.Add(z >= a - seg_state.get(key, zero))
+            overlappable[where]["gather"].append(gather_cost * z)
+    for terms in overlappable.values():
+        for kind in ("gather", "reduce"):
+            if terms[kind]:
+                exposed = solver.NumVar(0, solver.infinity(), f"exposed[{kind}#{next(counter)}]")
+                solver.Add(exposed >= sum(terms[kind]) - overlap * sum(terms[f"hide_{kind}"]))
+                objective.append(exposed)
     embed_comm: dict[str, float] = defaultdict(float)
     for emb, param in embeddings.items():
-        embed_comm[param] += comm("reduce_scatter" if sp else "all_reduce", info[emb].nbytes)
+        embed_comm[param] += reduce_s(_reduced_bytes(nodes[emb], reduced_at, info))
     for param, cost in embed_comm.items():
         roles = role_vars(param, is_embedding=True)
         if VOCAB in roles:
             objective.append(cost * roles[VOCAB])
+        if sp and REPLICATED in roles:  # a replicated table's gradient, all-reduced under SP
+            objective.append(param_bytes[group_of(param)] * roles[REPLICATED])
     # Weights: the ILP sees time, not the optimizer state a replicated weight costs on every rank
     # (16-20 bytes per parameter). Keep the weights' footprint within 1 % of the least possible,
     # so a time gain is never bought with a memory cost the outer search cannot see.
@@ -275,8 +358,9 @@ def solve_tp_roles(
         full = numel[key]
         footprint.extend((full if r == REPLICATED else full / tp) * v for r, v in vars_.items())
         least += min(full if r == REPLICATED else full / tp for r in vars_)
-    solver.Add(sum(footprint) <= least * 1.01)
-    solver.Minimize(sum(objective))
+    if fixed is None:
+        solver.Add(sum(footprint) <= least * 1.01)
+    solver.Minimize(sum(compute) + sum(objective))
     status = solver.Solve()
     names = {pywraplp.Solver.OPTIMAL: "optimal", pywraplp.Solver.FEASIBLE: "feasible (time limit)"}
     if status not in names:
@@ -290,7 +374,69 @@ def solve_tp_roles(
         constraints=solver.NumConstraints(),
         solve_time_s=time.perf_counter() - t0,
         status=names[status],
+        compute_s=sum(_value(e) for e in compute),
+        comm_s=sum(_value(e) for e in objective),
     )
+
+
+def _value(term) -> float:
+    """The solved value of an objective term (a number or a linear expression)."""
+    return float(term) if isinstance(term, (int, float)) else term.solution_value()
+
+
+def _reduced_bytes(mm: torch.fx.Node, reduced_at: dict[str, int], info) -> float:
+    """Bytes of a row-parallel matmul's (or a vocabulary-parallel table's) partial output
+    where Megatron's recipe reduces it: at the node itself or a few linear steps downstream (a
+    view, a cast to fp32 for the residual), else the node's own output.
+
+    The ILP takes these positions from the Megatron recipe: other roles upstream can move
+    the recipe's reduction (e.g. to before the cast) and `predict` follows it; the ILP does not.
+    """
+    if mm.name in reduced_at:
+        return float(reduced_at[mm.name])
+    frontier = [mm]
+    for _ in range(4):
+        frontier = [u for n in frontier for u in n.users if info[u.name].phase == "forward"]
+        hit = [reduced_at[u.name] for u in frontier if u.name in reduced_at]
+        if hit:
+            return float(hit[0])
+    return float(info[mm.name].nbytes)
+
+
+def _count(matmuls: dict, g: str) -> int:
+    """Forward matmuls of weight group ``g`` (its gradient AR is charged once over them)."""
+    return sum(1 for p, _ in matmuls.values() if group_of(p) == g)
+
+
+def _node_seconds(graph: TrainingGraph, analysis: GraphAnalysis, cluster: Cluster, tp: int,
+                  fused: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """Step seconds of every node at the captured batch, whole and split ``tp`` ways: the
+    roofline of `cost.terms.compute.roofline_times` (the step model's) on the bytes
+    `build_step_facts` counts (a fusion group's external inputs and outputs), in the
+    cluster's default precision, slowed by `FRAMEWORK_EFFICIENCY` as `predict` does."""
+    groups = fusion_groups(graph, analysis) if fused else {}
+    ext_inputs, leaves = external_bytes(graph, analysis, groups)
+    names, flops, vflops, nbytes, is_matmul, launch = [], [], [], [], [], []
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or analysis.nodes[node.name].is_view:
+            continue  # views launch no kernel and move no bytes
+        i = analysis.nodes[node.name]
+        names.append(node.name)
+        flops.append(i.flops)
+        vflops.append(i.vector_flops)
+        read = sum(analysis.nodes[a.name].nbytes for a in ext_inputs[node.name])
+        nbytes.append(read + (i.bytes_written if leaves[node.name] else 0))
+        is_matmul.append(i.is_matmul or i.flops > 0)
+        launch.append(groups.get(node.name, node.name) == node.name)
+    gpu = cluster.gpu
+    f, v, b = (np.array(a, dtype=float) for a in (flops, vflops, nbytes))
+    mm, ln = np.array(is_matmul, dtype=bool), np.array(launch, dtype=bool)
+    dtype = np.full(f.shape, compute_dtype(gpu, default_precision(cluster)))
+    out = []
+    for div in (1, tp):
+        t = roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype) / FRAMEWORK_EFFICIENCY
+        out.append(dict(zip(names, t.tolist())))
+    return out[0], out[1]
 
 
 def _attention_inputs(graph, analysis, matmuls, head_dim) -> dict[str, int]:

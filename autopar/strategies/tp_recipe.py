@@ -86,6 +86,13 @@ class TPRecipe:
     weight_of: dict[str, str] = field(default_factory=dict)  # node -> parameter it reads as weight
     batch_dependent: dict[str, bool] = field(default_factory=dict)
     fallback_ops: set[str] = field(default_factory=set)  # ops with no strategy: replicated
+    # fused projections (GPT-2's q, k, v in one weight): parameter -> parts, split per part
+    fused_parts: dict[str, int] = field(default_factory=dict)
+    fused_heads: dict[str, int] = field(default_factory=dict)  # parameter -> heads per part
+
+    def divides(self, tp: int) -> bool:
+        """Whether every fused projection's heads split ``tp`` ways (q, k, v by heads)."""
+        return all(heads % tp == 0 for heads in self.fused_heads.values())
 
     def param_shard_dim(self, name: str) -> int | None:
         """Tensor dim a parameter is sharded on over TP (None: replicated).
@@ -167,11 +174,13 @@ def find_tp_recipe(
                                               batch_dep.get(x.name, False), forward(node), True))
                     state[node.name] = "R"
                     continue
-                if forced.get(param) == COL and x_state == "S":
+                # forcing a role changes how the forward meets the weight; the backward's matmuls
+                # with it follow from the forward's states (as for Megatron's own roles)
+                if forced.get(param) == COL and x_state == "S" and forward(node):
                     events.append(TPEvent(x.name, "gather", analysis.nodes[x.name].nbytes,
                                           batch_dep.get(x.name, False), forward(node), True))
                     x_state = "R"
-                elif forced.get(param) == ROW and x_state == "R":
+                elif forced.get(param) == ROW and x_state == "R" and forward(node):
                     x_state = "S"  # a row-parallel weight slices a replicated input locally
                 if param in forced:
                     roles[param] = forced[param]
@@ -245,5 +254,81 @@ def find_tp_recipe(
     for node_name, param in weight_of.items():
         if roles.get(param, REPLICATED) != REPLICATED:
             state[node_name] = "S"
+    parts, heads = _fused_projections(graph, col_mm, weight_of)
     return TPRecipe(state, roles, sharded_mm, col_mm, wgrad_mm, events, weight_of, batch_dep,
-                    fallback_ops)
+                    fallback_ops, parts, heads)
+
+
+# Ops that keep a matmul's output features as they are (same values, maybe a new batch shape).
+_FEATURE_PASSTHROUGH = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default,
+    aten.clone.default, aten.alias.default, aten.detach.default,
+}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+
+
+def _fused_projections(graph: TrainingGraph, col_mm: set[str], weight_of: dict[str, str]):
+    """Column-parallel weights whose output is cut into equal parts along the features.
+
+    GPT-2's ``qkv(x).view(b, s, 3, heads, head_dim)`` (or a ``split``/``chunk`` into equal
+    parts): a plain Shard(0) of the weight would give rank 0 all of q and half of k, so the
+    weight (and its bias) is split per part, and each rank computes its own heads of q, k and v.
+    Returns (parameter -> parts, parameter -> heads per part; 0 where a split names no heads).
+    """
+    parts: dict[str, int] = {}
+    heads: dict[str, int] = {}
+    for node in graph.gm.graph.nodes:
+        if node.name not in col_mm:
+            continue
+        found = _feature_split(node)
+        if found is None:
+            continue
+        for param in _projection_params(node, weight_of):
+            parts[param], heads[param] = found
+    return parts, heads
+
+
+def _projection_params(node, weight_of: dict[str, str]) -> list[str]:
+    """The weight of a column-parallel matmul, and its bias (addmm's first operand)."""
+    operands = list(node.args[:3]) if node.target == aten.addmm.default else list(node.args[:2])
+    return [weight_of[a.name] for a in operands if isinstance(a, torch.fx.Node) and a.name in weight_of]
+
+
+def _feature_split(mm) -> tuple[int, int] | None:
+    """(parts, heads) if the output features of ``mm`` are split into parts > 1 downstream."""
+    features = mm.meta["val"].shape[-1]
+    frontier = [mm]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            val = user.meta.get("val")
+            if user.target in _SPLITS and _split_dim(user, node) == node.meta["val"].ndim - 1:
+                sizes = [v.shape[-1] for v in val]
+                if len(sizes) > 1 and len(set(sizes)) == 1:
+                    return len(sizes), 0
+            if user.target not in _FEATURE_PASSTHROUGH or not isinstance(val, torch.Tensor):
+                continue
+            trailing = _trailing_factors(tuple(val.shape), features)
+            if trailing == (features,):
+                frontier.append(user)  # same features: a new batch shape or a cast
+            elif user.target in _VIEWS and trailing and len(trailing) >= 3 and trailing[0] > 1:
+                return trailing[0], trailing[1]  # (parts, heads, head_dim)
+    return None
+
+
+def _split_dim(node, source) -> int:
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return dim % source.meta["val"].ndim
+
+
+def _trailing_factors(shape: tuple[int, ...], features: int) -> tuple[int, ...] | None:
+    """The last dims of ``shape`` whose product is ``features`` (None if none is exactly)."""
+    product = 1
+    for i in range(len(shape) - 1, -1, -1):
+        product *= shape[i]
+        if product == features:
+            return shape[i:]
+        if product > features:
+            return None
+    return None

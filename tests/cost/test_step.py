@@ -117,8 +117,7 @@ def test_bad_layouts_name_the_problem(llama_step, layout, cluster, message):
 def test_layout_validates_its_own_fields():
     with pytest.raises(LayoutError, match="ZeRO stage"):
         Layout(zero=4)
-    with pytest.raises(LayoutError, match="grad_accum"):
-        Layout(pp=4, grad_accum=2)
+    Layout(pp=4, grad_accum=2)  # fewer micro-batches than stages: allowed (a large bubble)
     with pytest.raises(LayoutError, match="schedule"):
         Layout(schedule="gpipe-ish")
 
@@ -127,17 +126,17 @@ def test_cpu_ranks_expose_all_communication(llama_step):
     """CPU ranks hide nothing behind compute (gloo shares their cores): TP collectives cost what
     they take, and under SP the norms' gradient all-reduces and the parallel loss's three
     all-reduces (latency-bound) are priced as well."""
-    from cost.step import _tp_small_collectives, axis_group, collective_time
+    from cost.step import axis_group, collective_time, tp_small_collectives
 
     facts = llama_step[3].facts()
     cpu = Cluster("cpu", nodes=1, gpus_per_node=4)
     lay = Layout(tp=4, sp=True, microbatch=facts.batch, precision="fp32")
     group = axis_group(cpu, 4, 1)
-    small = _tp_small_collectives(facts, cpu, lay, 1.0, facts.n_layers, group)
+    small = tp_small_collectives(facts, cpu, lay, 1.0, facts.n_layers, group)
     replicated = [p for p, sharded in facts.param_tp_sharded.items() if not sharded]
     assert len(replicated) == 2 * facts.n_layers + 1  # two norms per block and the final one
     assert small.sum() > 3 * collective_time("all_reduce", 4.0 * facts.batch * facts.seq, group, cpu)
     no_sp = Layout(tp=4, microbatch=facts.batch, precision="fp32")
-    assert _tp_small_collectives(facts, cpu, no_sp, 1.0, facts.n_layers, group).sum() < small.sum()
+    assert tp_small_collectives(facts, cpu, no_sp, 1.0, facts.n_layers, group).sum() < small.sum()
     cpu_tp = predict(facts, cpu, lay).time_breakdown["tp_comm_s"]
     assert cpu_tp >= small.sum()

@@ -16,7 +16,8 @@ def _run_pass_worker(rank: int, world: int, zero: int) -> list[str]:
 
     from autopar import models
     from autopar.capture.joint import capture
-    from passes.data_parallel import apply_data_parallel
+    from cost.plan_types import AxisGroup, CommPlan, DataParallelPlan, GraphSignature
+    from passes.data_parallel import apply_data_parallel, shardable
 
     model = models.build("tiny-llama", seed=0)
     batch = models.example_inputs("tiny-llama", batch=4, seq=16)
@@ -24,16 +25,18 @@ def _run_pass_worker(rank: int, world: int, zero: int) -> list[str]:
     local = tuple(x.chunk(world)[rank] for x in batch)
     graph = capture(model, local)
     holders = {i.node: i for i in graph.inputs}
-    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
     grads = {o.name: o.index for o in graph.outputs if o.kind == "grad"}
-    loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
-    seed = next(i.node for i in graph.inputs if i.kind == "tangent")
+    signature = GraphSignature(inputs=[(i.kind, i.name) for i in graph.inputs],
+                               placeholders=[i.node for i in graph.inputs], grad_index=grads,
+                               loss_index=next(o.index for o in graph.outputs if o.kind == "loss"))
+    sharded = frozenset(n for n, s in graph.param_shapes.items() if zero and shardable(s, world))
+    group = AxisGroup(dist.group.WORLD.group_name, world, rank)
     weights = dict(model.named_parameters())
     problems = []
     for reduce_scatter in (True, False):
         gm = copy.deepcopy(graph.gm)
-        sharded = apply_data_parallel(gm, params, grads, loss_index, dict(graph.param_shapes), zero, world,
-                                      dist.group.WORLD.group_name, seed, rank, reduce_scatter=reduce_scatter)
+        plan = DataParallelPlan(zero, sharded, CommPlan(reduce_scatter=reduce_scatter))
+        apply_data_parallel(gm, signature, dict(graph.param_shapes), plan, group)
         args = []
         for node in gm.graph.nodes:
             if node.op != "placeholder":

@@ -2,7 +2,9 @@
 
 Loss, every gradient, and the parameters after 3 AdamW steps, fp32, rtol 1e-5 / atol 1e-6,
 under DP, ZeRO-1/2/3, TP, TP+SP, DP x TP (with ZeRO) and the solver's own plan. One spawn per
-world size and family of layouts runs every model, to keep the suite fast.
+world size and family of layouts runs every model, to keep the suite fast. Every run also checks
+the plan contract: the DTensor placements of ``pm.parameters()`` are ``pm.plan.placements``, and
+the ops that fell back to replication are exactly the expected ones (none on the zoo).
 
 AdamW runs with eps=1e-5. Adam's update g / (sqrt(v) + eps) has slope 1/eps at g = 0, so any
 gradient element near zero turns rounding noise into update noise amplified lr/eps times. GPT-2's
@@ -33,6 +35,22 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _contract(pm, label) -> list[tuple]:
+    """What runs is what the plan says: placements per mesh axis, and no fallback on the zoo."""
+    from autopar.execution.parallelize import placement_of
+
+    failures = []
+    axes = pm.mesh.mesh_dim_names
+    for name, p in pm.named_parameters():
+        runs = {axis: str(placement_of(q)) for axis, q in zip(axes, p.placements)
+                if axis in pm.plan.placements[name]}
+        if runs != pm.plan.placements[name]:
+            failures.append((*label, f"{name} runs {runs}, the plan says {pm.plan.placements[name]}"))
+    if pm.plan.fallbacks:
+        failures.append((*label, "fallbacks", [f.op for f in pm.plan.fallbacks]))
+    return failures
+
+
 def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
     """Every model under every layout ({} = the solver's plan) against one device."""
     import autopar
@@ -44,13 +62,11 @@ def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
             model = models.build(name, seed=3)
             ref = copy.deepcopy(model)
             batch = models.example_inputs(name, batch=8, seq=16)
-            layout = None
-            if degrees:
-                per_rank = 8 // degrees.get("dp", 1)
-                layout = autopar.Layout(**degrees, microbatch=per_rank // degrees.get("grad_accum", 1),
-                                        precision="fp32")
+            # micro-batch and precision are derived (batch / dp / grad_accum, the model's fp32)
+            layout = autopar.Layout(**degrees) if degrees else None
             pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
             label = (name, pm.plan.layout.short())
+            failures += _contract(pm, label)
             failures += _train_and_compare(pm, ref, batch, label)
             if layout is not None and layout.zero >= 1 and not any(
                     isinstance(p.placements[0], Shard) for p in pm.parameters()):
@@ -134,11 +150,13 @@ def _errors_worker(rank: int, world: int) -> list[str]:
                     layout=autopar.Layout(dp=world, microbatch=1, grad_accum=4, precision="fp32"))
     except (autopar.InputError, autopar.LayoutError) as exc:
         seen.append("accum" if "micro-batches" in str(exc) or "grad_accum" in str(exc) else str(exc))
-    try:
-        parallelize(model, world, example_inputs=batch,
-                    layout=autopar.Layout(pp=world, microbatch=1, grad_accum=4, precision="fp32"))
-    except UnsupportedLayoutError as exc:
-        seen.append("pp" if "not implemented yet" in str(exc) else str(exc))
+    for bad, word in ((dict(pp=world, grad_accum=4), "pipeline"), (dict(dp=world, recompute="full"), "recomputation"),
+                      (dict(dp=world, precision="fp8"), "FP8"), (dict(dp=world, precision="bf16"), "model's dtype")):
+        try:
+            parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**bad))
+            seen.append(f"{bad} ran")
+        except UnsupportedLayoutError as exc:
+            seen.append("refused" if word in str(exc) and "does not execute" in str(exc) else str(exc))
     other = models.build("tiny-gpt2")
     plan = autopar.plan(other, models.example_inputs("tiny-gpt2", batch=4, seq=16),
                         cluster=autopar.Cluster("h100", nodes=1, gpus_per_node=world),
@@ -177,7 +195,7 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 def test_bad_input_and_dump_graph():
     results = spawn(_errors_worker, 2, timeout_s=300)
     seen = results[0]
-    assert seen[:5] == ["mesh", "batch", "accum", "pp", "model"]
+    assert seen[:8] == ["mesh", "batch", "accum"] + ["refused"] * 4 + ["model"]
     assert "uncommented collective" not in seen
     gathers, reductions, n_layers = seen[-3]
     assert gathers == n_layers + 1  # tiny-llama: every weight's first dim divides by 2
@@ -240,6 +258,7 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     ref_loss.backward()
     named = dict(ref.named_parameters())
     bad = [] if _close(loss, ref_loss.detach()) else ["loss"]
+    bad += _contract(pm, (family,))
     bad += [n for n, p in pm.named_parameters() if not _close(p.grad.full_tensor(), named[n].grad)]
     return bad
 

@@ -1,7 +1,8 @@
 """The cost-model bench against the playbook's published numbers (quick mode, 1B/3B models).
 
 Reference values are repeated here from shared/reference/playbook-facts.md on purpose: the
-checks do not trust the bench's own copy or its own "within" flags.
+checks do not trust the bench's own copy (autopar/bench/data/cost_model.json) or its own
+"within" flags, and check that copy against these.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ import math
 import pytest
 
 from autopar import models
+from autopar.bench import cost_model as bench
 from autopar.bench.cost_model import (
+    BY_CONSTRUCTION,
+    HELD_OUT,
+    IN_SAMPLE,
     TITLES,
     activation_row,
     busbw_section,
@@ -28,11 +33,33 @@ BUSBW_GBPS = {  # nodes 1, 2, 4, 8, 16, 32, 64
 }
 NODES = (1, 2, 4, 8, 16, 32, 64)
 DP_TOK_S_GPU = {8: 40150, 16: 37610, 32: 35368, 64: 31112, 128: 26446, 256: 15700}
+TP_B_TOK_S_GPU = {  # sp -> tp -> (micro-batch, tok/s/GPU)
+    False: {2: (3, 13923), 4: (8, 12421), 8: (12, 10903), 16: (16, 6246), 32: (20, 2146)},
+    True: {2: (4, 14167), 4: (10, 13460), 8: (20, 10889), 16: (40, 6159), 32: (100, 3610)},
+}
+# Points a constant of the cost model was fitted on (comments beside the constants in cost/):
+# the 1-node busbw column (NVLink efficiencies), the 2-node all-reduce (EFA efficiency), and
+# the DP=8 throughput (FRAMEWORK_EFFICIENCY).
+LOO_FITTED = {("all_reduce", 1), ("all_gather", 1), ("reduce_scatter", 1), ("all_reduce", 2)}
+DP_FITTED = {8}
 
 
 @pytest.fixture(scope="module")
 def quick():
     return run_cost_model_bench(quick=True, progress=None)
+
+
+def test_reference_file_holds_the_published_numbers():
+    """data/cost_model.json, as the bench loads it, against the playbook's tables above."""
+    assert bench.MEASURED_BUSBW_NODES == NODES
+    assert bench.MEASURED_BUSBW_GBPS == BUSBW_GBPS
+    assert bench.MEASURED_DP == DP_TOK_S_GPU and list(bench.MEASURED_DP) == list(DP_TOK_S_GPU)
+    assert bench.MEASURED_DP_MEMORY_GB == 36.7
+    assert bench.MEASURED_TP == TP_B_TOK_S_GPU
+    assert (bench.PLAYBOOK_WEIGHT_BYTES, bench.PLAYBOOK_GRAD_BYTES,
+            bench.PLAYBOOK_OPTIMIZER_BYTES) == (2, 6, 12)
+    assert bench.PLAYBOOK_ACTIVATIONS_8B_GIB == {"none": 97.0, "selective": 17.0, "full": 1.02}
+    assert bench.PLAYBOOK_ACTIVATIONS_70B_TP8_GIB == {False: 32.5, True: 10.6}
 
 
 def test_busbw_within_15_percent():
@@ -117,6 +144,44 @@ def test_activation_rows_full_recompute_and_logits():
     assert sp2["predicted_sbh_per_layer"] == pytest.approx(none["predicted_sbh_per_layer"] / 2,
                                                            rel=0.02)
     assert "sbh/layer" in sp2["explanation"]
+    assert {r["sample"] for r in (full, none, sp2)} == {HELD_OUT}  # no constant fitted on them
+
+
+def test_activation_table_has_sample_column():
+    cap = capture_model("playbook-1b", 256)
+    rows = [activation_row(cap, 1, False, rc, None) for rc in ("none", "full")]
+    out = format_cost_model_bench({"quick": False, "time_s": 0.0, "activations": {"rows": rows}})
+    assert TITLES["activations"] in out and "sample" in out and HELD_OUT in out
+
+
+def test_in_sample_points_are_labelled(quick):
+    """Points a constant was fitted on say so, in the rows, the summary and the report."""
+    busbw = quick["busbw"]["rows"]
+    assert {r["sample"] for r in busbw} == {IN_SAMPLE}  # the curves are the table itself
+    loo_fitted = {(r["kind"], r["nodes"]) for r in busbw if r["loo_sample"] == IN_SAMPLE}
+    assert loo_fitted == LOO_FITTED
+    assert all(r["loo_sample"] == HELD_OUT and r["loo_fitted_by"] is None
+               for r in busbw if (r["kind"], r["nodes"]) not in LOO_FITTED)
+    dp = quick["dp_scaling"]["rows"]
+    assert {r["dp"] for r in dp if r["sample"] == IN_SAMPLE} == DP_FITTED
+    assert "FRAMEWORK_EFFICIENCY" in next(r["fitted_by"] for r in dp if r["dp"] == 8)
+    assert all(r["memory_sample"] == HELD_OUT for r in dp)
+    assert {r["sample"] for r in quick["tp_scaling"]["rows"]} == {HELD_OUT}
+    zero = quick["zero_memory"][0]["rows"]
+    assert {r["sample"] for r in zero} == {BY_CONSTRUCTION}
+    summary = quick["summary"]
+    assert (summary["busbw"]["in_sample"], summary["busbw"]["held_out_total"]) == (21, 0)
+    loo = summary["busbw_leave_one_out_interior"]
+    assert (loo["in_sample"], loo["held_out_total"]) == (1, 14)  # the 2-node all-reduce
+    held = [r for r in busbw if not r["loo_extrapolated"] and (r["kind"], r["nodes"])
+            not in LOO_FITTED]
+    assert loo["held_out_within"] == sum(abs(r["loo_diff"]) < 0.30 for r in held)
+    assert (summary["dp_scaling"]["in_sample"], summary["dp_scaling"]["held_out_total"]) == (1, 5)
+    assert summary["tp_scaling"]["held_out_total"] == 10
+    assert summary["zero_memory"]["by_construction"] == 16
+    out = format_cost_model_bench(quick)
+    assert out.count(IN_SAMPLE) >= 21 + 4 + 1 and HELD_OUT in out
+    assert "held out within" in out
 
 
 def test_result_is_json_and_formats(quick):

@@ -1,0 +1,268 @@
+"""The schema of a captured step's cost facts: what `cost.step.predict` prices.
+
+`StepFacts` holds a few scalars and four tables, each a dataclass of same-length columns:
+
+- `NodeTable`: one row per kernel-launching node of the joint graph (views excluded): its
+  FLOPs, the bytes it touches (batch-dependent activations and the rest), its TP state, its
+  phase, its block, what it overlaps;
+- `SavedTable`: one row per forward value saved for the backward;
+- `EventTable`: one row per TP collective the recipe implies (reduce or gather);
+- `ParamTable`: one entry per parameter (dicts keyed by parameter name): size, dtype, TP role
+  and sharded dim, expert or not, the blocks that read it.
+
+`autopar.search.facts.build_step_facts` fills it from a captured graph; this module imports
+nothing of autopar. Every batch-dependent quantity is linear in the batch, so `rebatch` gives
+the step at another global batch without a new capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cost.layout import LayoutError
+
+
+def _check_lengths(table: object) -> None:
+    """Every column of a table has the same length (they are parallel arrays)."""
+    lengths = {f.name: len(getattr(table, f.name)) for f in dataclasses.fields(table)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{type(table).__name__}: columns of different lengths {lengths}")
+
+
+def _scale_where(values: np.ndarray, mask: np.ndarray, r: float) -> np.ndarray:
+    return np.where(mask, values * r, values)
+
+
+@dataclass(frozen=True)
+class NodeTable:
+    """Per node of the captured step (call_function nodes that are not views), in graph order."""
+
+    name: np.ndarray  # node name in the joint graph (str)
+    flops: np.ndarray  # tensor-core FLOPs for the whole captured batch
+    vflops: np.ndarray  # vector (element-wise) FLOPs
+    bytes_act: np.ndarray  # bytes of batch-dependent inputs/outputs (scale with the batch)
+    bytes_const: np.ndarray  # bytes of the rest (weights, tables)
+    batch_dep: np.ndarray  # the node's work scales with the batch
+    tp_div: np.ndarray  # its work splits t ways under TP (S state, or a sharded matmul)
+    sp_div: np.ndarray  # replicated activation work that SP splits over the sequence
+    is_matmul: np.ndarray
+    fp8_act_bytes: np.ndarray  # activation input bytes an fp8 weight matmul must cast
+    fp8_const_bytes: np.ndarray  # weight bytes it must cast
+    forward: np.ndarray
+    launch: np.ndarray  # the node starts a kernel (first node of its fusion group)
+    hides_gather: np.ndarray  # column matmul: an SP all-gather of its input overlaps it
+    hides_reduce: np.ndarray  # weight-gradient matmul: the input-gradient reduction overlaps it
+    layer: np.ndarray  # block index, pre-block nodes -1 (stage 0); post-block nodes L
+    is_attention: np.ndarray
+    attention_kv_bytes: np.ndarray  # K and V bytes an attention node reads (CP exchanges them)
+
+    def __post_init__(self) -> None:
+        _check_lengths(self)
+
+    def __len__(self) -> int:
+        return len(self.flops)
+
+    def rebatch(self, r: float) -> NodeTable:
+        """The table at ``r`` times the batch."""
+        return dataclasses.replace(
+            self,
+            flops=_scale_where(self.flops, self.batch_dep, r),
+            vflops=_scale_where(self.vflops, self.batch_dep, r),
+            bytes_act=self.bytes_act * r,
+            fp8_act_bytes=self.fp8_act_bytes * r,
+            attention_kv_bytes=self.attention_kv_bytes * r,
+        )
+
+
+@dataclass(frozen=True)
+class SavedTable:
+    """Per forward value saved for the backward (what activation memory counts)."""
+
+    bytes: np.ndarray  # for the whole captured batch
+    batch_dep: np.ndarray
+    tp_div: np.ndarray  # sharded t ways under TP
+    sp_div: np.ndarray  # replicated but sequence-sharded under SP
+    layer: np.ndarray  # block index (-1 / L outside the blocks)
+    heavy: np.ndarray  # produced by a matmul or attention (kept by selective recompute)
+
+    def __post_init__(self) -> None:
+        _check_lengths(self)
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+    def rebatch(self, r: float) -> SavedTable:
+        """The table at ``r`` times the batch."""
+        return dataclasses.replace(self, bytes=_scale_where(self.bytes, self.batch_dep, r))
+
+
+@dataclass(frozen=True)
+class EventTable:
+    """Per TP collective of the recipe (`autopar.strategies.tp_recipe.TPEvent`)."""
+
+    node: np.ndarray  # the node whose value is reduced or gathered (str)
+    bytes: np.ndarray  # the value's bytes for the whole captured batch (global shape)
+    batch_dep: np.ndarray
+    reduce: np.ndarray  # True: reduce (AR / RS), False: gather (AG under SP)
+    layer: np.ndarray
+    forward: np.ndarray
+    always: np.ndarray  # a gather that is needed without SP too
+
+    def __post_init__(self) -> None:
+        _check_lengths(self)
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+    def rebatch(self, r: float) -> EventTable:
+        """The table at ``r`` times the batch."""
+        return dataclasses.replace(self, bytes=_scale_where(self.bytes, self.batch_dep, r))
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    """Per parameter (dicts keyed by the parameter's name)."""
+
+    numel: dict[str, int] = field(default_factory=dict)
+    tp_sharded: dict[str, bool] = field(default_factory=dict)
+    expert: dict[str, bool] = field(default_factory=dict)
+    stages_layer: dict[str, list[int]] = field(default_factory=dict)  # blocks reading it
+    dtype_bytes: dict[str, int] = field(default_factory=dict)
+    tp_role: dict[str, str] = field(default_factory=dict)  # col, row, vocab, replicated
+    tp_dim: dict[str, int | None] = field(default_factory=dict)  # dim sharded over TP, or None
+    shape: dict[str, tuple[int, ...]] = field(default_factory=dict)  # global shapes
+    tp_parts: dict[str, int] = field(default_factory=dict)  # fused projections: parts (qkv: 3)
+
+    def __post_init__(self) -> None:
+        if set(self.tp_sharded) != set(self.numel) or set(self.expert) != set(self.numel):
+            raise ValueError("ParamTable: numel, tp_sharded and expert must name the same parameters")
+
+
+@dataclass
+class StepFacts:
+    """Layout-independent facts about one captured training step (see the module docstring)."""
+
+    batch: int  # sequences in the captured (global) step
+    seq: int
+    n_layers: int
+    heads: int | None
+    kv_heads: int | None
+    n_experts: int
+    total_flops: float  # tensor-core FLOPs of forward + backward for the whole batch
+    nodes: NodeTable
+    saved: SavedTable
+    events: EventTable
+    params: ParamTable
+    block_input_bytes: float  # one block's input activation for the whole batch
+    # EP all-to-all: activation bytes entering + leaving the experts, per slot (-1 .. L)
+    expert_io_bytes: np.ndarray
+    tp_fallbacks: list[str] = field(default_factory=list)  # ops the TP recipe runs replicated
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters counted once each."""
+        return sum(self.params.numel.values())
+
+    def rebatch(self, batch: int) -> StepFacts:
+        """The same step with a global batch of ``batch`` sequences (no new capture needed:
+        every batch-dependent quantity is linear in the batch)."""
+        if batch < 1:
+            raise LayoutError(f"batch={batch}: a step needs at least one sequence")
+        r = batch / self.batch
+        return dataclasses.replace(
+            self,
+            batch=batch,
+            total_flops=self.total_flops * r,
+            nodes=self.nodes.rebatch(r),
+            saved=self.saved.rebatch(r),
+            events=self.events.rebatch(r),
+            block_input_bytes=self.block_input_bytes * r,
+            expert_io_bytes=self.expert_io_bytes * r,
+            _memo={},
+        )
+
+    # ---- per-parameter names read outside the cost model (planning, decisions, explain)
+    @property
+    def param_numel(self) -> dict[str, int]:
+        """Elements of every parameter."""
+        return self.params.numel
+
+    @property
+    def param_tp_sharded(self) -> dict[str, bool]:
+        """Parameter -> sharded over TP."""
+        return self.params.tp_sharded
+
+    @property
+    def param_expert(self) -> dict[str, bool]:
+        """Parameter -> belongs to an expert (sharded over EP)."""
+        return self.params.expert
+
+    @property
+    def param_stages_layer(self) -> dict[str, list[int]]:
+        """Parameter -> blocks (effective layers) whose forward reads it."""
+        return self.params.stages_layer
+
+    @property
+    def param_dtype_bytes(self) -> dict[str, int]:
+        """Parameter -> bytes per element."""
+        return self.params.dtype_bytes
+
+    @property
+    def tp_roles(self) -> dict[str, str]:
+        """Parameter -> TP role (col, row, vocab, replicated)."""
+        return self.params.tp_role
+
+    @property
+    def param_tp_dim(self) -> dict[str, int | None]:
+        """Parameter -> dim sharded over TP (None: replicated)."""
+        return self.params.tp_dim
+
+    @property
+    def param_shape(self) -> dict[str, tuple[int, ...]]:
+        """Parameter -> global shape."""
+        return self.params.shape
+
+    @property
+    def param_tp_parts(self) -> dict[str, int]:
+        """Fused projections -> number of parts (q, k, v: 3)."""
+        return self.params.tp_parts
+
+    # ---- read-only columns kept for the benches (autopar/bench/block.py, cost_model.py)
+    @property
+    def layer(self) -> np.ndarray:
+        """Per node block index (`NodeTable.layer`)."""
+        return self.nodes.layer
+
+    @property
+    def saved_bytes(self) -> np.ndarray:
+        """`SavedTable.bytes`."""
+        return self.saved.bytes
+
+    @property
+    def saved_batch_dep(self) -> np.ndarray:
+        """`SavedTable.batch_dep`."""
+        return self.saved.batch_dep
+
+    @property
+    def saved_tp_div(self) -> np.ndarray:
+        """`SavedTable.tp_div`."""
+        return self.saved.tp_div
+
+    @property
+    def saved_sp_div(self) -> np.ndarray:
+        """`SavedTable.sp_div`."""
+        return self.saved.sp_div
+
+    @property
+    def saved_layer(self) -> np.ndarray:
+        """`SavedTable.layer`."""
+        return self.saved.layer
+
+    @property
+    def saved_heavy(self) -> np.ndarray:
+        """`SavedTable.heavy`."""
+        return self.saved.heavy

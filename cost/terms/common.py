@@ -1,0 +1,79 @@
+"""Helpers the step's terms share: resolving a layout, the stage of a block, overlap,
+and the parameters each pipeline stage holds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cost.cluster import Cluster
+from cost.layout import Layout
+from cost.step_facts import StepFacts
+
+
+def default_precision(cluster: Cluster) -> str:
+    """The precision a layout without one is priced in: bf16 where the devices have bf16 tensor
+    cores (mixed precision, fp32 master weights), fp32 elsewhere (CPU ranks)."""
+    return "fp32" if cluster.gpu.is_cpu or "bf16" not in cluster.gpu.peak_flops else "bf16"
+
+
+def resolved(facts: StepFacts, cluster: Cluster, layout: Layout) -> Layout:
+    """``layout`` with its omitted fields derived for this step (`Layout.resolve`)."""
+    return layout if layout.resolved else layout.resolve(facts.batch, default_precision(cluster))
+
+
+def comm_overlap(cluster: Cluster) -> float:
+    """Fraction of communication that can hide behind compute (data-parallel syncs and
+    gathers, and the TP collectives Megatron overlaps with matmuls).
+
+    GPUs: 1 (NCCL runs on its own SMs and copy engines while kernels run; FSDP/DDP overlap).
+    CPU ranks: 0, measured: gloo's transport runs on the cores that compute, and on this 2-core
+    box 4 ranks already oversubscribe them; `bench runtime` (2026-11-30) measured ZeRO-3 1.27x
+    slower than DP where full overlap predicted it 3 % faster.
+    """
+    return 0.0 if cluster.gpu.is_cpu else 1.0
+
+
+def zero_reduction(cluster: Cluster) -> str:
+    """The collective that reduces ZeRO's gradients: reduce-scatter, except on CPU ranks, where
+    the runtime all-reduces (gloo's reduce-scatter is no faster: passes/data_parallel.py)."""
+    return "all_reduce" if cluster.gpu.is_cpu else "reduce_scatter"
+
+
+def stage_of(layer: np.ndarray, n_layers: int, pp: int) -> np.ndarray:
+    """Even split of the blocks over pp stages; pre-block nodes on stage 0, post on the last."""
+    clipped = np.clip(layer, 0, n_layers - 1)
+    return np.minimum(clipped * pp // n_layers, pp - 1).astype(int)
+
+
+def params_per_stage(facts: StepFacts, lay: Layout, n_layers: int) -> np.ndarray:
+    """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
+    key = ("stage_params", lay.tp, lay.ep, lay.pp)
+    if key not in facts._memo:
+        params = facts.params
+        out = np.zeros(lay.pp)
+        for name, numel in params.numel.items():
+            local = numel / (lay.tp if params.tp_sharded[name] else 1)
+            local /= lay.ep if params.expert[name] else 1
+            stages = set(stage_of(np.array(params.stages_layer[name]), n_layers, lay.pp).tolist())
+            for s in stages:  # a tied embedding lives on the first and the last stage
+                out[s] += local
+        facts._memo[key] = out
+    return facts._memo[key]
+
+
+def block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:
+    """Parameters of one block on one device (what ZeRO-3 gathers at a time), memoised."""
+    key = ("block_params", lay.tp, lay.ep)
+    if key not in facts._memo:
+        params = facts.params
+        in_blocks = sum(
+            n / (lay.tp if params.tp_sharded[p] else 1) / (lay.ep if params.expert[p] else 1)
+            for p, n in params.numel.items()
+            if all(0 <= layer < n_layers for layer in params.stages_layer[p])
+        )
+        largest = max(
+            (n / (lay.tp if params.tp_sharded[p] else 1) for p, n in params.numel.items()),
+            default=0.0,
+        )
+        facts._memo[key] = in_blocks / facts.n_layers if facts.n_layers else largest
+    return facts._memo[key]

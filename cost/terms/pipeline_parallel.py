@@ -1,0 +1,33 @@
+"""Pipeline parallelism: the point-to-point transfer between stages and the schedule's bubble."""
+
+from __future__ import annotations
+
+from cost.cluster import Cluster
+from cost.comm import Group, collective_time
+from cost.layout import Layout
+from cost.pipeline import pipeline_step_time
+from cost.step_facts import StepFacts
+
+
+def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> float:
+    """Seconds of one stage-to-stage send of a micro-batch's block input (0 without PP).
+
+    The boundary activation is the block input (sequence-sharded under SP, / cp); adjacent
+    stages sit tp*cp ranks apart: on one node unless that crosses a node boundary."""
+    if lay.pp == 1:
+        return 0.0
+    boundary = facts.block_input_bytes * scale / lay.cp / (lay.tp if lay.sp else 1)
+    pair = Group(2, 2 if 2 * lay.tp * lay.cp <= cluster.gpus_per_node else 1)
+    return collective_time("send_recv", boundary, pair, cluster)
+
+
+def pipeline_time(slowest_stage_s: float, p2p_s: float, lay: Layout) -> tuple[float, float]:
+    """(total, bubble) seconds of the step's micro-batches through the pipeline.
+
+    `cost.pipeline.pipeline_step_time` with the layout's schedule: bubble (p-1)/m of the
+    useful time for 1F1B (also when m < p: the pipeline never fills), slots of the slowest
+    stage plus its transfers. Without PP: grad_accum times the stage, no bubble.
+    """
+    schedule = lay.schedule if lay.pp > 1 else "1f1b"
+    return pipeline_step_time(slowest_stage_s, p2p_s, lay.pp, lay.grad_accum, schedule,
+                              lay.virtual_stages)

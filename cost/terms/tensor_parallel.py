@@ -1,0 +1,116 @@
+"""Tensor parallelism: the TP collectives of one micro-batch left on the critical path.
+
+Each event of the recipe (`cost.step_facts.EventTable`) is priced by `cost.comm` on the TP group
+(`axis_group(cluster, tp, 1)`: TP is innermost) at its local size: under sequence parallelism
+a reduction is a reduce-scatter and a gather an all-gather; without it a reduction is an
+all-reduce and only the gathers a replicated use needs (``always``) remain. Megatron overlaps
+two kinds (scaled by `comm_overlap`): the forward SP all-gather with the column matmul it feeds
+(the playbook; not the gathers a replicated use needs), and the backward reduction of a column
+layer's input gradient with that layer's weight-gradient matmul (Megatron's async TP); per
+block, what exceeds the matmuls' time is exposed. The TP ILP (`autopar.strategies.tp_ilp`)
+prices its roles with these same functions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cost.cluster import Cluster
+from cost.comm import Group, axis_group, collective_time
+from cost.layout import Layout
+from cost.step_facts import StepFacts
+from cost.terms.common import comm_overlap, stage_of
+
+
+def tp_group(cluster: Cluster, tp: int) -> Group:
+    """The TP group: ``tp`` contiguous ranks (innermost in the process grid)."""
+    return axis_group(cluster, tp, 1)
+
+
+def event_collective(is_reduce: bool, always: bool, sp: bool) -> str | None:
+    """The collective a TP event runs: RS / AG under SP; AR, AG (``always``) or none without."""
+    if sp:
+        return "reduce_scatter" if is_reduce else "all_gather"
+    if is_reduce:
+        return "all_reduce"
+    return "all_gather" if always else None
+
+
+def exposed_after_overlap(fixed: np.ndarray, gather: np.ndarray, reduce: np.ndarray,
+                          hide_gather: np.ndarray, hide_reduce: np.ndarray,
+                          overlap: float) -> np.ndarray:
+    """Exposed seconds per block: the fixed collectives, plus the overlappable gathers and
+    reductions beyond ``overlap`` times the matmul seconds that hide them."""
+    return (fixed + np.maximum(0.0, gather - overlap * hide_gather)
+            + np.maximum(0.0, reduce - overlap * hide_reduce))
+
+
+def tp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarray,
+               scale: float, n_layers: int, pp: int) -> np.ndarray:
+    """Exposed TP seconds per pipeline stage for one micro-batch (memoised; zeros at tp 1).
+
+    times: the nodes' step seconds (`compute.step_node_times`); scale: micro-batch / batch.
+    """
+    if lay.tp == 1:
+        return np.zeros(pp)
+    key = ("tp_exposed", cluster.describe(), tuple(sorted(cluster.gpu.peak_flops.items())),
+           cluster.gpu.memory_bw, cluster.gpu.kernel_floor_s, lay.tp, lay.cp, lay.sp,
+           lay.microbatch, lay.precision, pp, facts.batch)
+    if key not in facts._memo:
+        facts._memo[key] = _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp)
+    return facts._memo[key]
+
+
+def _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.ndarray:
+    tp, cp, ev, nodes = lay.tp, lay.cp, facts.events, facts.nodes
+    group = tp_group(cluster, tp)
+    ev_bytes = ev.bytes * np.where(ev.batch_dep, scale / cp, 1.0)
+    cache: dict[tuple[str, float], float] = {}
+    cost = np.zeros(len(ev_bytes))
+    for i, (nb, is_reduce, always) in enumerate(zip(ev_bytes, ev.reduce, ev.always)):
+        kind = event_collective(bool(is_reduce), bool(always), lay.sp)
+        if kind is None:
+            continue
+        key = (kind, float(nb))
+        if key not in cache:
+            cache[key] = collective_time(kind, float(nb), group, cluster)
+        cost[i] = cache[key]
+    # per block: overlappable collectives hide behind their matmuls, the rest is exposed
+    slots = n_layers + 2  # -1 (before the blocks) .. n_layers (after)
+    ev_slot = np.clip(ev.layer, -1, n_layers) + 1
+    node_slot = np.clip(nodes.layer, -1, n_layers) + 1
+    # only the SP gathers overlap with the column matmul they feed (Megatron splits that
+    # all-gather along the sequence and pipelines it with the GEMM); a gather a replicated use
+    # needs (``always``: a fallback op, a replicated weight) has nothing to hide behind
+    gather_ov = ~ev.reduce & ev.forward & ~ev.always
+    reduce_ov = ev.reduce & ~ev.forward
+    fixed = np.bincount(ev_slot, weights=cost * ~(gather_ov | reduce_ov), minlength=slots)
+    g = np.bincount(ev_slot, weights=cost * gather_ov, minlength=slots)
+    r = np.bincount(ev_slot, weights=cost * reduce_ov, minlength=slots)
+    hide_g = np.bincount(node_slot, weights=times * nodes.hides_gather, minlength=slots)
+    hide_r = np.bincount(node_slot, weights=times * nodes.hides_reduce, minlength=slots)
+    exposed = exposed_after_overlap(fixed, g, r, hide_g, hide_r, comm_overlap(cluster))
+    exposed += tp_small_collectives(facts, cluster, lay, scale, n_layers, group)
+    slot_stage = stage_of(np.arange(slots) - 1, n_layers, pp)
+    return np.bincount(slot_stage, weights=exposed, minlength=pp)
+
+
+def tp_small_collectives(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float,
+                         n_layers: int, group: Group) -> np.ndarray:
+    """TP collectives outside the recipe's activation events, per slot (as the TP pass emits
+    them): under SP a replicated weight (a norm) sees only its sequence shard, so its gradient
+    is all-reduced over TP; a vocabulary-parallel loss all-reduces the logits' max, the sum of
+    exponentials and the target logit (one fp32 value per token each). Latency-bound:
+    negligible on NVLink, milliseconds on gloo."""
+    params = facts.params
+    out = np.zeros(n_layers + 2)
+    for name, sharded in params.tp_sharded.items():
+        layers = params.stages_layer.get(name) or []
+        if lay.sp and layers and not sharded and not params.expert.get(name):
+            nbytes = params.numel[name] * params.dtype_bytes.get(name, 4)
+            out[min(max(layers), n_layers) + 1] += collective_time("all_reduce", nbytes, group, cluster)
+    head = [p for p, layers in params.stages_layer.items() if layers and max(layers) >= n_layers]
+    if any(params.tp_sharded.get(p) for p in head):
+        token_bytes = 4.0 * facts.batch * facts.seq * scale / lay.cp
+        out[n_layers + 1] += 3 * collective_time("all_reduce", token_bytes, group, cluster)
+    return out
