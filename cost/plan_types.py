@@ -208,7 +208,7 @@ class AxisGroup:
 class GraphSignature:
     """What feeds a joint graph's placeholders and reads its outputs.
 
-    inputs: (kind, name) per placeholder, kind param | buffer | input | tangent | accum;
+    inputs: (kind, name) per placeholder, kind param | buffer | input | tangent | zero_tangent | accum;
     placeholders: the placeholder node names, in order; grad_index: parameter -> output index
     of its gradient; loss_index: output index of the loss; buffer_index: buffer -> output index
     of its new value, for buffers the forward updates (BatchNorm statistics).

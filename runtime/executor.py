@@ -40,7 +40,8 @@ class RankGraph:
     """One rank's executable step: the graph and what feeds its inputs and reads its outputs."""
 
     gm: fx.GraphModule
-    inputs: list[tuple[str, str]]  # (kind, name) per placeholder: param | buffer | input | tangent | accum
+    inputs: list[tuple[str, str]]  # (kind, name) per placeholder: param | buffer | input | tangent
+    #   | zero_tangent (seed of an output other than the loss: 0) | accum
     loss_index: int
     grad_index: dict[str, int]  # parameter name -> output index
     micro_batches: int = 1  # gradient accumulation: the graph runs once per micro-batch
@@ -71,6 +72,8 @@ class _JointStep(torch.autograd.Function):
                     args.append(user_inputs[int(name)].chunk(m)[micro])
                 elif kind == "tangent":  # the loss's seed gradient
                     args.append(seed)
+                elif kind == "zero_tangent":  # another output's: returned, not differentiated
+                    args.append(_zeros(rank_graph.gm, len(args), device))
                 elif not early:  # "accum": the earlier micro-batches' sums, reduced by this graph
                     args.append(loss if name == LOSS else sums.pop(name))
             if not early and rank_graph.accumulate_gm is not None:
@@ -102,6 +105,12 @@ class _JointStep(torch.autograd.Function):
         scaled = ctx.grads if scale == 1.0 else [None if g is None else g * scale for g in ctx.grads]
         ctx.grads = None  # free them: one backward per step
         return (None, None, None, None, *scaled)
+
+
+def _zeros(gm: fx.GraphModule, position: int, device: torch.device) -> torch.Tensor:
+    """Zeros shaped like the graph's placeholder at ``position``."""
+    val = [n for n in gm.graph.nodes if n.op == "placeholder"][position].meta["val"]
+    return torch.zeros(tuple(val.shape), dtype=val.dtype, device=device)
 
 
 def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], buffers: dict,

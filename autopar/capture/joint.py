@@ -28,7 +28,8 @@ from autopar.errors import CaptureError, locate_user_frame
 class GraphInput:
     """One placeholder of the joint graph.
 
-    kind: "param", "buffer", "input" (a user input) or "tangent" (the loss's seed gradient).
+    kind: "param", "buffer", "input" (a user input), "tangent" (the loss's seed gradient) or
+    "zero_tangent" (the seed gradient of another output the model returns, e.g. logits: 0).
     name: the parameter's or buffer's qualified name; ``input{i}`` for user inputs.
     """
 
@@ -125,11 +126,14 @@ class TrainingGraph:
             elif inp.kind == "input":
                 primals.append(user_inputs[int(inp.name[len("input"):])])
         device = user_inputs[0].device if user_inputs else torch.device("cpu")
-        # The seed gradient of the loss is 1: the graph was traced for loss.backward().
+        # The seed gradient of the loss is 1: the graph was traced for loss.backward(); the
+        # other outputs' gradients are 0 (they are returned, not differentiated).
+        seeds = {name: torch.ones for name in self.input_nodes("tangent")}
+        seeds.update({name: torch.zeros for name in self.input_nodes("zero_tangent")})
         tangents = [
-            torch.ones(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype, device=device)
+            seeds[n.name](tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype, device=device)
             for n in self.gm.graph.nodes
-            if n.op == "placeholder" and n.name in self.input_nodes("tangent")
+            if n.op == "placeholder" and n.name in seeds
         ]
         loss_index = next(o.index for o in self.outputs if o.kind == "loss")
         with torch.no_grad():
@@ -259,7 +263,10 @@ def _joint(root: nn.Module, fake_inputs, prefix: str = ""):
         elif isinstance(desc, PlainAOTInput):
             inputs.append(GraphInput(node.name, "input", f"input{desc.idx}"))
         elif isinstance(desc, TangentAOTInput):
-            inputs.append(GraphInput(node.name, "tangent", str(desc.output)))
+            # only the loss is differentiated: eager loss.backward() gives the other outputs
+            # (a model returning (loss, logits)) a zero gradient, not a seed of ones
+            is_loss = isinstance(desc.output, PlainAOTOutput) and desc.output.idx == 0
+            inputs.append(GraphInput(node.name, "tangent" if is_loss else "zero_tangent", str(desc.output)))
         else:
             inputs.append(GraphInput(node.name, "other", str(desc)))
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -147,7 +147,7 @@ def find_tp_recipe(
             if spec is not None and spec.kind in ("param", "buffer"):
                 weight_of[node.name] = spec.name
             state[node.name] = "R"
-            batch_dep[node.name] = spec is not None and spec.kind in ("input", "tangent")
+            batch_dep[node.name] = spec is not None and spec.kind in ("input", "tangent", "zero_tangent")
             continue
         if node.op != "call_function":
             continue

@@ -80,3 +80,45 @@ def test_no_stale_graph_and_fallbacks_are_listed_or_refused():
     assert "aten.logcumsumexp.default" in seen[3]
     loss, ref, grads = seen[4]
     assert abs(loss - ref) <= 1e-5 * abs(ref) and grads
+
+
+class WithLogits(nn.Module):
+    """Returns (loss, output), as Hugging Face models return (loss, logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x, y):
+        out = self.down(torch.relu(self.up(x)))
+        return nn.functional.mse_loss(out, y), out
+
+
+def _logits_worker(rank: int, world: int) -> list:
+    import autopar
+
+    batch = _batch()
+    torch.manual_seed(0)
+    model = WithLogits()
+    ref = WithLogits()
+    ref.load_state_dict(model.state_dict())
+    loss_ref = ref(*batch)[0]
+    loss_ref.backward()  # the returned output gets no gradient: eager's loss.backward()
+    bad = []
+    for layout in (autopar.Layout(dp=world), autopar.Layout(tp=world), autopar.Layout(dp=world, zero=3)):
+        pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
+        loss = pm(*batch)
+        loss.backward()
+        if abs(float(loss) - float(loss_ref)) > 1e-5 * abs(float(loss_ref)):
+            bad.append((layout.short(), "loss"))
+        for (name, p), q in zip(pm.named_parameters(), ref.parameters()):
+            if not torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6):
+                bad.append((layout.short(), name))
+    return bad
+
+
+def test_other_outputs_than_the_loss_get_no_seed_gradient():
+    # before: every tangent was fed the loss's seed of ones, so (loss, logits) trained on
+    # loss + logits.sum()
+    assert spawn(_logits_worker, 2, timeout_s=300) == [[], []]
