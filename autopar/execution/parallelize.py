@@ -8,12 +8,16 @@ with the plan's placements), any ``torch.optim`` optimizer steps them, and
 
 The plan's decisions (`cost.plan_types.PlanDecisions`) travel to the passes as typed parts: the
 tensor-parallel pass (passes/tensor_parallel.py) turns the global graph into one TP rank's graph,
-the data-parallel pass (passes/data_parallel.py) then adds gradient reduction and ZeRO over the
-"dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP and their products (a ("dp", "tp")
-mesh), with gradient accumulation (the step captured for one micro-batch and run grad_accum
-times; see runtime/executor.py), in the model's own dtype. Any other decision (pipeline,
-context or expert parallelism, recomputation, FP8, a precision other than the model's) is an
-`UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
+the recompute pass (passes/recompute.py) makes the backward rebuild the plan's recomputed
+forward values from the kept ones (after TP: the chains start from TP's collectives, never
+repeat them; before DP: ZeRO-3 gathers the weights a recomputed matmul reads for the backward,
+as for the backward's own matmuls), the data-parallel pass (passes/data_parallel.py) then adds
+gradient reduction and ZeRO over the "dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP
+and their products (a ("dp", "tp") mesh), recompute "selective" and "full", with gradient
+accumulation (the step captured for one micro-batch and run grad_accum times; see
+runtime/executor.py), in the model's own dtype. Any other decision (pipeline, context or expert
+parallelism, FP8, a precision other than the model's) is an `UnsupportedLayoutError` naming it:
+a plan runs exactly as planned or not at all.
 
 Buffers the forward updates (BatchNorm statistics) are written back on every rank; under data
 parallelism each rank keeps its own statistics, as DDP does without SyncBatchNorm.
@@ -38,13 +42,15 @@ from autopar.errors import AutoparError, InputError
 from autopar.planning.plan import Plan
 from autopar.planning.plan import make_plan as make_layout_plan
 from autopar.planning.planner import plan as make_plan
+from autopar.search.decisions import _recomputed
 from autopar.search.solver import unsupported_decisions
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
 from cost.plan_types import AxisGroup, AxisPlacement, Fallback, GraphSignature, PlanDecisions
 from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
-from passes.tensor_parallel import apply_tensor_parallel
+from passes.recompute import apply_recompute, values_to_recompute
+from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
 from runtime.executor import RankGraph, run_step
 
 
@@ -203,6 +209,9 @@ def parallelize(
             "strict=True: these ops would run replicated under tensor parallelism: "
             + ", ".join(f.op for f in fallbacks) + "; use a layout without TP (tp=1), or strict=False "
             "to accept the replication (listed in pm.plan.fallbacks)")
+    if lay.recompute != "none":
+        # the plan lists what is recomputed, value by value, as it runs
+        decisions.recompute = _recomputed(None, lay, _recompute(gm, graph, lay.recompute, lay.tp > 1))
     accumulate_gm = None
     inputs = list(signature.inputs)
     if lay.dp > 1:
@@ -233,6 +242,24 @@ def parallelize(
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, list(signature.placeholder_of("param")),
                           local_batch=local_batch)
+
+
+def _recompute(gm, graph, mode: str, retraced: bool) -> dict[int, list[str]]:
+    """Apply the recompute pass to this rank's graph ``gm``; block -> the saved values it
+    rebuilds. Blocks come from the analysis of the captured ``graph``; a graph the TP pass
+    retraced names each node's source in the captured graph in ``meta["from_node"]``."""
+    layers = {name: info.layer for name, info in analyze(graph).nodes.items()}
+    per_node = {n.name: layers.get(_source(n) if retraced else n.name) for n in gm.graph.nodes}
+    result = apply_recompute(gm, values_to_recompute(gm, per_node, mode))
+    executed: dict[int, list[str]] = {}
+    for name in result.recomputed:
+        executed.setdefault(per_node[name], []).append(name)
+    return executed
+
+
+def _source(node) -> str:
+    sources = node.meta.get("from_node") or []
+    return sources[0].name if sources else node.name
 
 
 def _signature(gm, inputs, grad_index, loss_index, buffer_index) -> GraphSignature:
@@ -291,8 +318,9 @@ def _executable(layout: Layout, precision: str) -> None:
     if missing:
         raise UnsupportedLayoutError(
             f"layout {layout.short()}: autopar.parallelize does not execute "
-            + "; ".join(missing) + " yet. Run a DP / ZeRO / TP / TP+SP layout without them "
-            "(pp=cp=ep=1, recompute='none', the model's precision), or use the plan for its predictions")
+            + "; ".join(missing) + " yet. Run a DP / ZeRO / TP / TP+SP layout (with any "
+            "recompute) without them (pp=cp=ep=1, the model's precision), or use the plan for its "
+            "predictions")
 
 
 def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster) -> Plan:
@@ -382,16 +410,8 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
                 local = _local_shard(data, tp_place, layout.tp, tp_rank)
                 if dp_place.is_shard:  # ZeRO: the rows of the TP-local shard
                     local = local.chunk(layout.dp, dim=0)[dp_rank]
-                placements = [_dtensor_placement(dp_place), _dtensor_placement(tp_place)]
+                placements = [to_dtensor_placement(dp_place), to_dtensor_placement(tp_place)]
                 dt = DTensor.from_local(local.contiguous().clone(), mesh, placements,
                                         run_check=False, shape=data.shape, stride=data.stride())
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             sub._parameters[pname] = made[id(p)]
-
-
-def _dtensor_placement(place: AxisPlacement):
-    if not place.is_shard:
-        return Replicate()
-    if place.split_factor > 1:
-        return _StridedShard(place.dim, split_factor=place.split_factor)
-    return Shard(place.dim)

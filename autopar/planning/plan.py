@@ -143,11 +143,12 @@ class Plan:
         groups: dict[tuple, list[str]] = {}
         for name, placement in self.placements.items():
             pattern = re.sub(r"\.\d+\.", ".*.", name)
-            key = (pattern, tuple(sorted(placement.items())), self.tp_roles.get(name, ""))
+            role = self.tp_roles.get(name, "") if self.layout.tp > 1 else "-"
+            key = (pattern, tuple(sorted(placement.items())), role, self.decisions.params[name].zero_sharded)
             groups.setdefault(key, []).append(name)
         rows = []
-        for (pattern, placement, role), names in sorted(groups.items()):
-            collectives = _collectives_of(role, self.layout)
+        for (pattern, placement, role, zero_sharded), names in sorted(groups.items()):
+            collectives = _collectives_of(role, self.layout, zero_sharded)
             rows.append([pattern, f"x{len(names)}", role, ", ".join(f"{a}:{p}" for a, p in placement), collectives])
         return table(["parameter", "count", "tp role", "placement", "collectives it causes"], rows)
 
@@ -274,13 +275,14 @@ def _fold(items: list[str]) -> str:
     return "; ".join(f"{k} (x{n})" if n > 1 else k for k, n in counts.items())
 
 
-def _collectives_of(role: str, layout: Layout) -> str:
+def _collectives_of(role: str, layout: Layout, zero_sharded: bool) -> str:
     """The collectives a parameter's placement causes, in words."""
     parts = []
     if layout.dp * layout.cp > 1:
+        zero = layout.zero if zero_sharded else 0  # a weight ZeRO cannot split stays whole
         parts.append({0: "grad all-reduce", 1: "grad reduce-scatter + weight all-gather",
                       2: "grad reduce-scatter + weight all-gather",
-                      3: "weight all-gather fwd+bwd, grad reduce-scatter"}[layout.zero])
+                      3: "weight all-gather fwd+bwd, grad reduce-scatter"}[zero])
     if layout.tp > 1:
         if role == COL:
             parts.append("input all-gather (SP)" if layout.sp else "input-grad all-reduce")

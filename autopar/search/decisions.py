@@ -8,6 +8,8 @@ fused q/k/v projection a per-part shard.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from autopar.strategies.tp_recipe import VOCAB
@@ -66,9 +68,20 @@ def _stages(facts: StepFacts, layout: Layout) -> list[tuple[int, int]]:
     return out
 
 
-def _recomputed(facts: StepFacts, layout: Layout) -> list[str]:
-    """What the backward recomputes, per block (every block alike)."""
-    if layout.recompute == "none" or not facts.n_layers:
+def _recomputed(facts: StepFacts | None, layout: Layout,
+                executed: dict[int, list[str]] | None = None) -> list[str]:
+    """What the backward recomputes, per block: the rule of ``layout.recompute`` (every block
+    alike), or with ``executed`` (block -> the saved values the recompute pass rebuilds, as
+    `autopar.parallelize` ran it; ``facts`` unused) the values themselves: the first few names
+    of each block and their count."""
+    if layout.recompute == "none":
+        return []
+    if executed is not None:
+        # by op (node names less their numbering), so that alike blocks read alike
+        return [f"block {block}: {len(values)} values ("
+                + ", ".join(sorted({re.sub(r"_\d+$", "", v) for v in values})) + ")"
+                for block, values in sorted(executed.items())]
+    if facts is None or not facts.n_layers:
         return []
     what = ("every forward value but the block's input" if layout.recompute == "full"
             else "element-wise forward values (matmul and attention outputs kept)")

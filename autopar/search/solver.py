@@ -224,8 +224,7 @@ def unsupported_decisions(layout: Layout) -> list[str]:
         out.append(f"context parallelism (cp={layout.cp})")
     if layout.ep > 1:
         out.append(f"expert parallelism (ep={layout.ep})")
-    if layout.recompute != "none":
-        out.append(f"activation recomputation (recompute={layout.recompute!r})")
+    # recompute "selective" and "full" run (passes/recompute.py): nothing to refuse
     if layout.precision == "fp8":
         out.append("FP8 matmuls (precision='fp8')")
     return out

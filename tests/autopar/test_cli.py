@@ -1,7 +1,11 @@
 """The command line, as a user types it."""
 
 import json
+import subprocess
+import sys
+import time
 
+from autopar import cli
 from autopar.cli import main
 
 
@@ -62,3 +66,144 @@ def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monke
     assert all(r["measured_s"] > 0 and r["hand_written_s"] > 0 and r["predicted_s"] > 0 for r in result["rows"])
     assert "Spearman" in format_runtime_bench(result)
     json.dumps(result)
+
+
+# --- a user's mistakes: one paragraph naming the problem and the fix, fast, no traceback ------
+
+# The checks run before any model is built or captured; in-process they take milliseconds.
+FAST_S = 2.0
+GPT2_8 = ["plan", "--model", "gpt2", "--quiet"]  # one node of 8 H100s, the default cluster
+
+
+def _fails(capsys, argv, *needles, fast=True, fix=True):
+    """Run the CLI on argv: exit 2, one `autopar: error:` paragraph with a fix, no traceback.
+
+    fix=False: a failure inside a rank, whose fix is whatever its exception says."""
+    t0 = time.perf_counter()
+    code = main(argv)
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("autopar: error:")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0].rstrip()), err
+    message = errors[0]
+    assert "fix:" in message or not fix, message
+    for needle in needles:
+        assert needle in message, (needle, message)
+    if fast:
+        assert elapsed < FAST_S, elapsed
+    return message
+
+
+def test_seq_zero(capsys):
+    _fails(capsys, ["plan", "--model", "gpt2", "--seq", "0"], "--seq 0", "1 to 1024",
+           "pass --seq between 1 and 1024")
+    _fails(capsys, ["inspect", "--model", "gpt2", "--seq", "0"], "--seq 0")
+
+
+def test_layout_value_that_is_not_a_number(capsys):
+    _fails(capsys, [*GPT2_8, "--layout", "dp=eight"], "dp=eight", "whole number", "dp=2")
+
+
+def test_layout_degrees_that_do_not_match_the_cluster(capsys):
+    _fails(capsys, [*GPT2_8, "--layout", "dp=3"], "3 ranks", "cluster has 8",
+           "multiply to 8")
+    _fails(capsys, [*GPT2_8, "--nodes", "2", "--layout", "dp=8"], "cluster has 16 (2 nodes x 8")
+
+
+def test_default_seq_is_the_models_own_limit(capsys):
+    # gpt2 takes 1024 tokens: the default is 1024 and the note says so (then the layout fails,
+    # quickly, on the cluster size rather than on the sequence length)
+    message = _fails(capsys, [*GPT2_8, "--layout", "dp=3"], "cluster has 8")
+    assert "seq" not in message
+    assert main(["plan", "--model", "gpt2", "--layout", "dp=3"]) == 2
+    assert "gpt2 takes at most 1024 tokens per sequence, so --seq defaults to 1024" in \
+        capsys.readouterr().err
+    assert cli.DEFAULT_SEQ == 4096
+    assert cli._seq(None, cli._model_config("llama3-8b")) == 4096
+    assert capsys.readouterr().err == ""  # no note where the default is the model's own
+
+
+def test_unknown_model(capsys):
+    _fails(capsys, ["inspect", "--model", "unknown"], "unknown model 'unknown'", "gpt2, gpt2-xl",
+           "--model gpt2")
+
+
+def test_nodes_zero(capsys):
+    _fails(capsys, ["plan", "--model", "gpt2", "--nodes", "0"], "--nodes 0", "--nodes 1 or more")
+
+
+def test_unknown_cluster(capsys):
+    _fails(capsys, ["plan", "--model", "gpt2", "--cluster", "nosuch"], "'nosuch'",
+           "h100, h100-efa", "local")
+
+
+def test_global_batch_tokens_not_a_multiple_of_seq(capsys):
+    _fails(capsys, ["plan", "--model", "gpt2", "--seq", "1000"], "1,048,576", "sequences of 1000",
+           "multiple of 1000")
+    _fails(capsys, ["plan", "--model", "gpt2", "--global-batch-tokens", "lots"], "token count",
+           "1M")
+
+
+def test_layout_fields_with_bad_values(capsys):
+    _fails(capsys, [*GPT2_8, "--layout", "dp=8,zero=5"], "zero=5", "0, 1, 2 or 3")
+    _fails(capsys, [*GPT2_8, "--layout", "dp=8,schedule=foo"], "schedule=foo", "1f1b")
+    _fails(capsys, [*GPT2_8, "--layout", "dp=8,sp=maybe"], "sp=maybe", "sp=1 or sp=0")
+    _fails(capsys, [*GPT2_8, "--layout", "dpp=8"], "'dpp'", "did you mean 'pp'")
+    _fails(capsys, [*GPT2_8, "--layout", "dp"], "not key=value")
+
+
+def test_tp_that_does_not_divide_the_heads(capsys):
+    _fails(capsys, ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K",
+                    "--gpus-per-node", "3", "--quiet", "--layout", "tp=3"],
+           "tp=3", "8 attention heads", "1, 2, 4, 8")
+    _fails(capsys, [*GPT2_8, "--gpus-per-node", "6", "--layout", "dp=2,tp=3", "--model", "gpt2-xl"],
+           "25 attention heads", "1, 5, 25")
+
+
+def test_dump_arguments_are_checked_before_any_rank_starts(capsys):
+    dump = ["dump", "--model", "tiny-llama", "--world", "2"]
+    _fails(capsys, [*dump, "--seq", "0"], "--seq 0", "1 to 64")
+    _fails(capsys, [*dump, "--rank", "2"], "--rank 2", "between 0 and 1")
+    _fails(capsys, [*dump, "--layout", "dp=3"], "3 ranks", "multiply to 2")
+    _fails(capsys, [*dump, "--layout", "pp=2"], "pipeline parallelism", "autopar plan --layout")
+    _fails(capsys, [*dump, "--model", "nosuch"], "unknown model")
+
+
+def test_dump_failure_in_a_rank_is_one_paragraph(capsys, monkeypatch):
+    # Let a layout the ranks refuse through the parent's checks: the ranks raise, and the
+    # command prints the failing rank and the root cause, not the 40-line RankFailedError.
+    monkeypatch.setattr(cli, "_check_executable", lambda layout: None)
+    argv = ["dump", "--model", "tiny-llama", "--world", "2", "--layout", "dp=2,precision=bf16"]
+    message = _fails(capsys, argv, "failed: UnsupportedLayoutError", "--verbose", fast=False,
+                    fix=False)
+    assert message.startswith("autopar: error: rank ")
+
+
+def test_dump_verbose_shows_the_rank_traceback(capsys, monkeypatch):
+    from runtime import launch
+
+    text = 'Traceback (most recent call last):\n  File "w.py", line 3, in f\n    g()\nKeyError: 7\n'
+
+    def failing_spawn(*args, **kwargs):
+        raise launch.RankFailedError(1, text)
+
+    monkeypatch.setattr(launch, "spawn", failing_spawn)
+    dump = ["dump", "--model", "tiny-llama", "--world", "2"]
+    _fails(capsys, dump, "rank 1 failed: KeyError: 7", "--verbose", fix=False)
+    assert main([*dump, "--verbose"]) == 2
+    err = capsys.readouterr().err
+    assert 'File "w.py", line 3' in err and err.rstrip().splitlines()[-1].startswith("autopar: error:")
+
+
+def test_command_line_from_a_shell_is_one_paragraph():
+    # `python -m autopar`, as a user types it; most of the time is importing torch and autopar.
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "autopar", "plan", "--model", "gpt2", "--seq", "0"],
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("autopar: error: --seq 0") and "fix:" in proc.stderr
+    assert elapsed < 30, elapsed  # start-up (imports) only: the check itself is milliseconds

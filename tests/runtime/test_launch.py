@@ -61,6 +61,22 @@ def _killed_on_rank1(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _stopped_on_rank1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier()
+
+
+def _group_timeouts(rank: int, world_size: int) -> dict:
+    from torch.distributed import distributed_c10d
+
+    sub = dist.new_group([0, 1])
+    return {
+        "default": distributed_c10d.default_pg_timeout.total_seconds(),
+        "sub": sub is not None,
+    }
+
+
 def _unpicklable(rank: int, world_size: int) -> object:
     return lambda: rank
 
@@ -145,6 +161,64 @@ def test_global_timeout_names_unfinished_ranks() -> None:
     with pytest.raises(TimeoutError, match=r"ranks not finished: \[(0, )?1\]"):
         spawn(_sleep_on_rank1, 2, timeout_s=5)
     assert time.monotonic() - t0 < 10
+
+
+def test_stopped_rank_is_named_within_seconds() -> None:
+    # A SIGSTOP'd rank is alive and holds its sockets open: no sentinel, no peer error.
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        spawn(_stopped_on_rank1, 3, timeout_s=60, stopped_grace_s=2)
+    elapsed = time.monotonic() - t0
+    assert info.value.rank == 1
+    assert "stopped" in str(info.value) and "SIGSTOP" in info.value.summary
+    assert "fix:" in info.value.summary
+    assert elapsed < 20, elapsed
+
+
+def test_stopped_rank_without_the_watch_ends_at_the_collective_timeout() -> None:
+    # With the process-state check off, the peers' bounded collective timeout ends the launch,
+    # and the stopped rank is still the one named.
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        spawn(_stopped_on_rank1, 2, timeout_s=90, collective_timeout_s=8, stopped_grace_s=None)
+    elapsed = time.monotonic() - t0
+    assert info.value.rank == 1, info.value
+    assert "stopped" in info.value.summary
+    assert elapsed < 45, elapsed  # start-up + 8 s + teardown; far below the 90 s launch limit
+
+
+def test_default_timeouts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert launch.DEFAULT_COLLECTIVE_TIMEOUT_S <= 100
+    assert launch.DEFAULT_STOPPED_GRACE_S < 120
+    monkeypatch.delenv("AUTOPAR_COLLECTIVE_TIMEOUT_S", raising=False)
+    assert launch.default_collective_timeout_s() == launch.DEFAULT_COLLECTIVE_TIMEOUT_S
+    monkeypatch.setenv("AUTOPAR_COLLECTIVE_TIMEOUT_S", "30")
+    assert launch.default_collective_timeout_s() == 30.0
+    monkeypatch.setenv("AUTOPAR_COLLECTIVE_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="fix: set it to"):
+        launch.default_collective_timeout_s()
+
+
+def test_groups_created_later_get_the_bounded_timeout() -> None:
+    out = spawn(_group_timeouts, 2, timeout_s=60, collective_timeout_s=42)
+    assert all(o["default"] == 42.0 and o["sub"] for o in out)
+
+
+def test_summary_is_the_root_cause_without_the_traceback() -> None:
+    with pytest.raises(RankFailedError) as info:
+        spawn(_raise_on_rank1, 2, timeout_s=60)
+    assert info.value.summary == "ValueError: boom from rank one"
+    text = (
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
+        "    ^^^\nKeyError: 'a'\nsecond line\n"
+    )
+    assert launch.last_exception(text) == "KeyError: 'a'\nsecond line"
+    assert launch.last_exception("exited (exit code 3)") == "exited (exit code 3)"
+    err = RankFailedError(2, text)
+    assert err.summary == "KeyError: 'a'\nsecond line"
+    import pickle
+
+    assert pickle.loads(pickle.dumps(err)).summary == err.summary
 
 
 def test_unpicklable_result_is_a_rank_failure() -> None:

@@ -68,6 +68,13 @@ def _contract_worker(rank: int, world: int) -> list:
     grads = all(torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
                 for p, q in zip(pm.parameters(), model.parameters()))
     seen.append((float(loss), float(ref), grads))
+    # local_batch: each rank passes only its data-parallel slice, as a DistributedSampler gives it
+    torch.manual_seed(0)
+    ref_model = Scaled(1.0)
+    pm = autopar.parallelize(ref_model, world, example_inputs=batch, layout=autopar.Layout(dp=world),
+                             local_batch=True)  # the user's model stays as it was: the reference
+    mine = tuple(x.chunk(world)[rank] for x in batch)
+    seen.append((float(pm(*mine)), float(ref_model(*batch))))
     return seen
 
 
@@ -80,6 +87,8 @@ def test_no_stale_graph_and_fallbacks_are_listed_or_refused():
     assert "aten.logcumsumexp.default" in seen[3]
     loss, ref, grads = seen[4]
     assert abs(loss - ref) <= 1e-5 * abs(ref) and grads
+    loss, ref = seen[5]  # the mean over ranks of the slices' losses: the global batch's loss
+    assert abs(loss - ref) <= 1e-5 * abs(ref)
 
 
 class WithLogits(nn.Module):
