@@ -317,6 +317,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _dump_worker(rank: int, world: int, name: str, batch: int, seq: int,
                  layout_text: str | None) -> str:
+    import torch.distributed
+
     import autopar
     from autopar import models
 
@@ -324,7 +326,12 @@ def _dump_worker(rank: int, world: int, name: str, batch: int, seq: int,
     model = models.build(name, seed=0)
     inputs = models.example_inputs(name, batch=batch, seq=seq)
     pm = autopar.parallelize(model, world, example_inputs=inputs, layout=layout)
-    return pm.dump_graph(rank=rank)
+    text = pm.dump_graph(rank=rank)
+    # Nothing above needs a collective after the meshes are built, so without this a fast rank
+    # 0 exits and takes the rendezvous store with it while a slower rank is still building its
+    # groups (a "Broken pipe" in that rank).
+    torch.distributed.barrier()
+    return text
 
 
 _DUMP_TIMEOUT_S = 600

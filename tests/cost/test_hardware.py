@@ -152,3 +152,12 @@ def test_calibration_rejects_bad_files(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="autopar calibrate"):
         load_calibration(bad)
+
+
+def test_detect_without_gpus_names_the_alternatives():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: detect() returns its cluster")
+    with pytest.raises(ValueError, match=r"Cluster\.local\(\)"):
+        Cluster.detect()
