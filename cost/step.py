@@ -251,25 +251,24 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
     saved = facts.saved
     local = saved.bytes * np.where(saved.batch_dep, scale / cp, 1.0)
     local = local / np.where(saved.tp_div, tp, 1) / np.where(saved.sp_div & lay.sp, tp, 1)
-    in_block = (saved.layer >= 0) & (saved.layer < n_layers)
-    if lay.recompute == "full":
-        keep = ~in_block
-    elif lay.recompute == "selective":
-        keep = ~in_block | saved.heavy
-    else:
-        keep = np.ones_like(in_block)
+    # what the recompute pass keeps from the forward to the backward under the layout's mode
+    # (`SavedTable.kept`: autograd's saved values without recompute; with it, the values the
+    # pass does not rebuild and the roots its chains start from, block inputs included)
+    keep = saved.kept(lay.recompute)
     stage = stage_of(saved.layer, n_layers, pp)
     per_stage = np.bincount(stage, weights=local * keep, minlength=pp)
     # At the peak of the backward the largest activation and its gradient are live beside the
     # saved ones (the fp32 logits and their gradient in a language model): a temporary buffer the
     # saved-tensor count misses; it made micro-batches 1.2-2.3x larger than the playbook could
     # run look like they fit (`autopar bench cost-model`, section 4b).
-    transient = 2.0 * float(local.max()) if len(local) else 0.0
-    if lay.recompute == "full":
-        # each block keeps its input (sequence-sharded under SP)
-        block_in = facts.block_input_bytes * scale / cp / (tp if lay.sp else 1)
-        layers_per_stage = np.bincount(stage_of(np.arange(n_layers), n_layers, pp), minlength=pp)
-        per_stage = per_stage + layers_per_stage * block_in
+    transient = 2.0 * float((local * keep).max()) if len(local) else 0.0
+    # Under recompute, a block's backward first rebuilds its recomputed values: they are live
+    # beside the kept ones while that block's backward runs, one block at a time (the pass
+    # inserts each copy before the first backward node that reads it)
+    rebuilt = saved.rebuilt(lay.recompute)
+    if rebuilt.any():
+        working = np.bincount(np.clip(saved.layer, 0, n_layers - 1), weights=local * rebuilt)
+        transient += float(working.max())
     block_params_ = block_params(facts, lay, n_layers)
     out = []
     for s in range(pp):

@@ -5,7 +5,8 @@
 - `NodeTable`: one row per kernel-launching node of the joint graph (views excluded): its
   FLOPs, the bytes it touches (batch-dependent activations and the rest), its TP state, its
   phase, its block, what it overlaps;
-- `SavedTable`: one row per forward value saved for the backward;
+- `SavedTable`: one row per forward value held for the backward: saved without recompute,
+  kept from the forward or rebuilt in the backward under a recompute mode;
 - `EventTable`: one row per TP collective the recipe implies (reduce or gather);
 - `ParamTable`: one entry per parameter (dicts keyed by parameter name): size, dtype, TP role
   and sharded dim, expert or not, the blocks that read it.
@@ -79,14 +80,23 @@ class NodeTable:
 
 @dataclass(frozen=True)
 class SavedTable:
-    """Per forward value saved for the backward (what activation memory counts)."""
+    """Per forward value (storage) the backward reads, under some recompute mode: what
+    activation memory counts. ``kept_<mode>``: held from the forward to the backward under that
+    mode ("none": autograd's saved values; "selective"/"full": what `passes.recompute` keeps,
+    the roots of its recompute chains included); ``rebuilt_<mode>``: recomputed in its block's
+    backward under that mode (one block's rebuilt values are live at a time)."""
 
     bytes: np.ndarray  # for the whole captured batch
     batch_dep: np.ndarray
     tp_div: np.ndarray  # sharded t ways under TP
     sp_div: np.ndarray  # replicated but sequence-sharded under SP
     layer: np.ndarray  # block index (-1 / L outside the blocks)
-    heavy: np.ndarray  # produced by a matmul or attention (kept by selective recompute)
+    heavy: np.ndarray  # produced by a matmul or attention
+    kept_none: np.ndarray  # saved for the backward without recompute
+    kept_selective: np.ndarray
+    kept_full: np.ndarray
+    rebuilt_selective: np.ndarray
+    rebuilt_full: np.ndarray
 
     def __post_init__(self) -> None:
         _check_lengths(self)
@@ -97,6 +107,14 @@ class SavedTable:
     def rebatch(self, r: float) -> SavedTable:
         """The table at ``r`` times the batch."""
         return dataclasses.replace(self, bytes=_scale_where(self.bytes, self.batch_dep, r))
+
+    def kept(self, mode: str) -> np.ndarray:
+        """Rows held from the forward to the backward under recompute ``mode``."""
+        return getattr(self, f"kept_{mode}")
+
+    def rebuilt(self, mode: str) -> np.ndarray:
+        """Rows the backward rebuilds under recompute ``mode`` (none: no row)."""
+        return np.zeros(len(self), bool) if mode == "none" else getattr(self, f"rebuilt_{mode}")
 
 
 @dataclass(frozen=True)
@@ -239,30 +257,31 @@ class StepFacts:
 
     @property
     def saved_bytes(self) -> np.ndarray:
-        """`SavedTable.bytes`."""
-        return self.saved.bytes
+        """`SavedTable.bytes` of the values saved without recompute (`kept_none`), as the
+        columns below."""
+        return self.saved.bytes[self.saved.kept_none]
 
     @property
     def saved_batch_dep(self) -> np.ndarray:
         """`SavedTable.batch_dep`."""
-        return self.saved.batch_dep
+        return self.saved.batch_dep[self.saved.kept_none]
 
     @property
     def saved_tp_div(self) -> np.ndarray:
         """`SavedTable.tp_div`."""
-        return self.saved.tp_div
+        return self.saved.tp_div[self.saved.kept_none]
 
     @property
     def saved_sp_div(self) -> np.ndarray:
         """`SavedTable.sp_div`."""
-        return self.saved.sp_div
+        return self.saved.sp_div[self.saved.kept_none]
 
     @property
     def saved_layer(self) -> np.ndarray:
         """`SavedTable.layer`."""
-        return self.saved.layer
+        return self.saved.layer[self.saved.kept_none]
 
     @property
     def saved_heavy(self) -> np.ndarray:
         """`SavedTable.heavy`."""
-        return self.saved.heavy
+        return self.saved.heavy[self.saved.kept_none]

@@ -20,6 +20,7 @@ from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
+from passes.recompute import is_backward, values_to_recompute
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 # the columns of `NodeTable` and `SavedTable` as built here, with their array dtypes
@@ -31,7 +32,9 @@ _NODE_DTYPES = {
     "attention_kv_bytes": float,
 }
 _SAVED_DTYPES = {"bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool,
-                 "layer": int, "heavy": bool}
+                 "layer": int, "heavy": bool, "kept_none": bool, "kept_selective": bool,
+                 "kept_full": bool, "rebuilt_selective": bool, "rebuilt_full": bool}
+_RECOMPUTE_MODES = ("selective", "full")
 
 
 def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True,
@@ -103,9 +106,22 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
                 if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward":
                     expert_io[layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
 
+    # what the recompute pass keeps and rebuilds per mode (`_recompute_marks`): the rows of the
+    # saved table are the values saved without recompute, then the values only a mode keeps
+    # (the roots of its recompute chains) or rebuilds (its working set in the backward)
+    marks = _recompute_marks(graph, analysis)
+    rows = dict(saved_values)
+    for mode in _RECOMPUTE_MODES:
+        for name in (*marks[mode][0], *marks[mode][1]):
+            rows.setdefault(name, analysis.nodes[name].nbytes)
     saved: dict[str, list] = {k: [] for k in _SAVED_DTYPES}
-    for name, nbytes in saved_values.items():
+    for name, nbytes in rows.items():
         info = analysis.nodes[name]
+        saved["kept_none"].append(name in saved_values)
+        for mode in _RECOMPUTE_MODES:
+            kept, rebuilt = marks[mode]
+            saved[f"kept_{mode}"].append(name in kept)
+            saved[f"rebuilt_{mode}"].append(name in rebuilt)
         state = tp.state.get(name, "R")
         node_bd = bd.get(name, False)
         saved["bytes"].append(nbytes)
@@ -231,3 +247,74 @@ def _block_input_bytes(graph, analysis: GraphAnalysis, bd) -> float:
             if i.name not in members and bd.get(i.name) and analysis.nodes[i.name].phase == "forward":
                 roots.add(analysis.nodes[i.name].storage)
     return float(sum(analysis.nodes[r].nbytes for r in roots))
+
+
+def _recompute_marks(graph: TrainingGraph, analysis: GraphAnalysis) -> dict[str, tuple[set, set]]:
+    """Per recompute mode, (kept, rebuilt) storages under `passes.recompute.apply_recompute`
+    with that mode's `values_to_recompute`, read off the captured graph by the pass's rule:
+
+    - kept: the forward values the backward still reads (those not recomputed, and the roots
+      every recompute chain starts from), held from the forward to the backward;
+    - rebuilt: the backward's copies live together at the moment their block's copies peak.
+      A copy is made right before the first backward node that needs it (the pass's rule:
+      its own first backward reader, or the first copy built from it) and dies after its
+      last reader (a backward node, or a copy built from it).
+
+    One walk per mode, linear in the graph."""
+    layers = {name: info.layer for name, info in analysis.nodes.items()}
+    nodes = list(graph.gm.graph.nodes)
+    position = {n.name: i for i, n in enumerate(nodes)}
+    infos = analysis.nodes
+
+    def forward_storage(node) -> str | None:
+        storage = infos[node.name].storage
+        ok = node.op != "placeholder" and not is_backward(node) and infos[storage].phase == "forward"
+        return storage if ok else None  # a view of a weight lives in an input: not counted
+
+    out = {}
+    for mode in _RECOMPUTE_MODES:
+        recompute = values_to_recompute(graph.gm, layers, mode)
+        kept: set[str] = set()
+        copied: dict[str, object] = {}
+        # the backward's reads, then the producer chains its copies rebuild
+        stack = [a for n in nodes if is_backward(n) for a in n.all_input_nodes]
+        while stack:
+            arg = stack.pop()
+            if arg.name not in recompute:
+                if (storage := forward_storage(arg)) is not None:
+                    kept.add(storage)
+            elif arg.name not in copied:
+                copied[arg.name] = arg
+                stack.extend(arg.all_input_nodes)
+        # each copy's life in backward positions: made at `first`, dead after `last`
+        first: dict[str, int] = {}
+        span: dict[str, list[int]] = {}  # storage -> [made, dead]
+        for name in sorted(copied, key=position.get, reverse=True):  # readers before producers
+            value = copied[name]
+            readers = [position[u.name] for u in value.users if is_backward(u) and "recomputes" not in u.meta]
+            readers += [first[u.name] for u in value.users if u.name in first]
+            first[name] = min(readers)
+            storage = forward_storage(value)
+            if storage is not None and storage in recompute:
+                made, dead = span.setdefault(storage, [first[name], max(readers)])
+                span[storage] = [min(made, first[name]), max(dead, max(readers))]
+        rebuilt: set[str] = set()
+        by_block: dict[int | None, list[str]] = {}
+        for storage in span:
+            by_block.setdefault(layers.get(storage), []).append(storage)
+        for members in by_block.values():  # the moment each block's live copies peak
+            events = sorted((t, kind, st) for st in members
+                            for t, kind in ((span[st][0], 0), (span[st][1] + 1, -1)))
+            live, best, now, best_set = set(), 0, 0, set()
+            for _, kind, st in events:
+                if kind == 0:
+                    live.add(st)
+                    now += infos[st].nbytes
+                    if now > best:
+                        best, best_set = now, set(live)
+                else:
+                    live.discard(st)
+                    now -= infos[st].nbytes
+            rebuilt |= best_set
+        out[mode] = (kept, rebuilt)
+    return out

