@@ -59,6 +59,10 @@ class NodeTable:
     layer: np.ndarray  # block index, pre-block nodes -1 (stage 0); post-block nodes L
     is_attention: np.ndarray
     attention_kv_bytes: np.ndarray  # K and V bytes an attention node reads (CP exchanges them)
+    # the node is copied into the backward by the recompute pass under that mode (its time is
+    # the recompute's price; `autopar.search.facts` reads it off the pass's own marking)
+    rerun_selective: np.ndarray
+    rerun_full: np.ndarray
 
     def __post_init__(self) -> None:
         _check_lengths(self)

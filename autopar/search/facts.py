@@ -29,7 +29,7 @@ _NODE_DTYPES = {
     "batch_dep": bool, "tp_div": bool, "sp_div": bool, "is_matmul": bool,
     "fp8_act_bytes": float, "fp8_const_bytes": float, "forward": bool, "launch": bool,
     "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
-    "attention_kv_bytes": float,
+    "attention_kv_bytes": float, "rerun_selective": bool, "rerun_full": bool,
 }
 _SAVED_DTYPES = {"bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool,
                  "layer": int, "heavy": bool, "kept_none": bool, "kept_selective": bool,
@@ -109,7 +109,9 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
     # what the recompute pass keeps and rebuilds per mode (`_recompute_marks`): the rows of the
     # saved table are the values saved without recompute, then the values only a mode keeps
     # (the roots of its recompute chains) or rebuilds (its working set in the backward)
-    marks = _recompute_marks(graph, analysis)
+    marks, reruns = _recompute_marks(graph, analysis)
+    for mode in _RECOMPUTE_MODES:  # the nodes whose copies the pass runs in the backward
+        arrays[f"rerun_{mode}"] = [name in reruns[mode] for name in arrays["name"]]
     rows = dict(saved_values)
     for mode in _RECOMPUTE_MODES:
         for name in (*marks[mode][0], *marks[mode][1]):
@@ -249,9 +251,11 @@ def _block_input_bytes(graph, analysis: GraphAnalysis, bd) -> float:
     return float(sum(analysis.nodes[r].nbytes for r in roots))
 
 
-def _recompute_marks(graph: TrainingGraph, analysis: GraphAnalysis) -> dict[str, tuple[set, set]]:
+def _recompute_marks(graph: TrainingGraph,
+                     analysis: GraphAnalysis) -> tuple[dict[str, tuple[set, set]], dict[str, set]]:
     """Per recompute mode, (kept, rebuilt) storages under `passes.recompute.apply_recompute`
-    with that mode's `values_to_recompute`, read off the captured graph by the pass's rule:
+    with that mode's `values_to_recompute`, and the nodes it copies into the backward (what the
+    recompute costs in time), read off the captured graph by the pass's rule:
 
     - kept: the forward values the backward still reads (those not recomputed, and the roots
       every recompute chain starts from), held from the forward to the backward;
@@ -271,7 +275,7 @@ def _recompute_marks(graph: TrainingGraph, analysis: GraphAnalysis) -> dict[str,
         ok = node.op != "placeholder" and not is_backward(node) and infos[storage].phase == "forward"
         return storage if ok else None  # a view of a weight lives in an input: not counted
 
-    out = {}
+    out, reruns = {}, {}
     for mode in _RECOMPUTE_MODES:
         recompute = values_to_recompute(graph.gm, layers, mode)
         kept: set[str] = set()
@@ -317,4 +321,5 @@ def _recompute_marks(graph: TrainingGraph, analysis: GraphAnalysis) -> dict[str,
                     now -= infos[st].nbytes
             rebuilt |= best_set
         out[mode] = (kept, rebuilt)
-    return out
+        reruns[mode] = set(copied)
+    return out, reruns

@@ -101,15 +101,15 @@ def compute_per_stage(facts: StepFacts, layout: Layout, times: np.ndarray
 
 
 def recompute_per_stage(facts: StepFacts, layout: Layout, times: np.ndarray) -> np.ndarray:
-    """Seconds of each stage's recomputed forward for one micro-batch: full recompute reruns
-    the blocks' whole forward, selective (Korthikanti et al. 2022) all but the matmuls (their
-    outputs, and attention's, are kept: `SavedTable.heavy`); none reruns nothing."""
+    """Seconds of each stage's recomputed forward for one micro-batch: the nodes the recompute
+    pass copies into the backward under the layout's mode (`NodeTable.rerun_full` /
+    `rerun_selective`: full reruns the blocks' forward but what it keeps, selective the
+    element-wise chains between kept matmul and attention outputs); none reruns nothing."""
     n, pp = facts.nodes, layout.pp
-    in_block = (n.layer >= 0) & (n.layer < max(facts.n_layers, 1))
     if layout.recompute == "full":
-        rerun = n.forward & in_block
+        rerun = n.rerun_full
     elif layout.recompute == "selective":
-        rerun = n.forward & in_block & ~n.is_matmul
+        rerun = n.rerun_selective
     else:
         return np.zeros(pp)
     return np.bincount(node_stages(facts, layout), weights=times * rerun, minlength=pp)
