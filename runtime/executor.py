@@ -58,6 +58,8 @@ class _JointStep(torch.autograd.Function):
         seed = torch.full((), 1.0 / m, dtype=torch.float32, device=device)
         loss = None
         sums: dict[str, torch.Tensor] = {}
+        # every graph of the step has the same leading placeholders: their shapes, read once
+        holders = [n for n in rank_graph.gm.graph.nodes if n.op == "placeholder"]
         for micro in range(m):
             last = micro == m - 1
             early = rank_graph.accumulate_gm is not None and not last
@@ -73,7 +75,8 @@ class _JointStep(torch.autograd.Function):
                 elif kind == "tangent":  # the loss's seed gradient
                     args.append(seed)
                 elif kind == "zero_tangent":  # another output's: returned, not differentiated
-                    args.append(_zeros(rank_graph.gm, len(args), device))
+                    val = holders[len(args)].meta["val"]
+                    args.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=device))
                 elif not early:  # "accum": the earlier micro-batches' sums, reduced by this graph
                     args.append(loss if name == LOSS else sums.pop(name))
             if not early and rank_graph.accumulate_gm is not None:
@@ -105,12 +108,6 @@ class _JointStep(torch.autograd.Function):
         scaled = ctx.grads if scale == 1.0 else [None if g is None else g * scale for g in ctx.grads]
         ctx.grads = None  # free them: one backward per step
         return (None, None, None, None, *scaled)
-
-
-def _zeros(gm: fx.GraphModule, position: int, device: torch.device) -> torch.Tensor:
-    """Zeros shaped like the graph's placeholder at ``position``."""
-    val = [n for n in gm.graph.nodes if n.op == "placeholder"][position].meta["val"]
-    return torch.zeros(tuple(val.shape), dtype=val.dtype, device=device)
 
 
 def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], buffers: dict,

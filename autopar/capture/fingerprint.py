@@ -118,7 +118,7 @@ def _feed(h, value, depth: int = 0) -> None:
         _feed(h, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, depth + 1)
     elif isinstance(value, torch.Tensor):
         h.update(f"tensor{tuple(value.shape)}{value.dtype}".encode())
-        real = value.device.type not in ("meta",) and not _is_fake(value)
+        real = value.device.type not in ("meta",) and not isinstance(value, FakeTensor)
         if real and value.numel() <= _MAX_HASHED_NUMEL:
             h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
                      if value.numel() else b"")
@@ -126,10 +126,6 @@ def _feed(h, value, depth: int = 0) -> None:
             h.update(_identity(value, h).encode())
     else:
         h.update(_identity(value, h).encode())
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    return isinstance(t, FakeTensor)
 
 
 def _identity(value: object, h: _Hasher) -> str:

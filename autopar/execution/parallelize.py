@@ -41,6 +41,7 @@ from autopar.capture.joint import capture
 from autopar.errors import AutoparError, InputError
 from autopar.planning.plan import Plan
 from autopar.planning.plan import make_plan as make_layout_plan
+from autopar.planning.planner import model_precision
 from autopar.planning.planner import plan as make_plan
 from autopar.search.decisions import _recomputed
 from autopar.search.solver import unsupported_decisions
@@ -193,8 +194,8 @@ def parallelize(
         planned = {f.op for f in fallbacks}
         unexecuted = planned - set(traced.fallback_ops)
         if unexecuted:
-            # the plan prices these ops replicated, but DTensor ran them on shards without the
-            # gather: the result could be silently wrong, so this plan does not run
+            # a guard: the pass gathers the plan's replicated ops (`replicated_ops`); one it
+            # never met (a name the pass spells otherwise) might have run on shards
             raise UnsupportedLayoutError(
                 f"layout {lay.short()}: the plan runs {', '.join(sorted(unexecuted))} replicated (no "
                 "sharding rule autopar trusts) but the tensor-parallel pass did not gather its "
@@ -298,17 +299,6 @@ def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn):
     return graph
 
 
-def _model_precision(model: nn.Module) -> str:
-    """The precision the runtime runs: the model's own dtype (it inserts no casts)."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in names:
-        raise InputError(f"the model's parameters have dtypes {sorted(map(str, dtypes))}: parallelize "
-                         "runs fp32 or bf16 models of one dtype; convert with model.float() or "
-                         "model.to(torch.bfloat16)")
-    return names[next(iter(dtypes))]
-
-
 def _executable(layout: Layout, precision: str) -> None:
     """Raise `UnsupportedLayoutError` for any decision of ``layout`` the runtime cannot run."""
     missing = unsupported_decisions(layout)
@@ -326,7 +316,7 @@ def _executable(layout: Layout, precision: str) -> None:
 def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster) -> Plan:
     world = cluster.world_size
     batch = example_inputs[0].shape[0]
-    precision = _model_precision(model)
+    precision = model_precision(model)  # the runtime inserts no casts: the model's dtype
     if plan is not None:
         if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
             raise InputError("this plan was made for another model (parameter names or shapes "

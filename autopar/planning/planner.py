@@ -19,19 +19,21 @@ from cost.step import check_layout, default_precision
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
-def model_precision(model: nn.Module, cluster: Cluster) -> str:
-    """The precision a layout without one trains ``model`` in: the model's own dtype (bf16 for
-    a bf16 model, fp32 for an fp32 model on CPU ranks), except that an fp32 model planned for
-    GPUs with bf16 tensor cores is priced in bf16 mixed precision, its fp32 weights the master
-    copy (how such models are trained there; `autopar.parallelize` runs the model's dtype)."""
+def model_precision(model: nn.Module, cluster: Cluster | None = None) -> str:
+    """The precision a layout without one trains ``model`` in: the model's own dtype ("fp32"
+    or "bf16"; what `autopar.parallelize` runs, given no ``cluster``). Planned for a
+    ``cluster`` of GPUs with bf16 tensor cores, an fp32 model is priced in bf16 mixed
+    precision, its fp32 weights the master copy (how such models are trained there)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes == {torch.bfloat16}:
-        return "bf16"
-    if dtypes and dtypes != {torch.float32}:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if len(dtypes) > 1 or not dtypes <= set(names):
         raise InputError(f"the model's parameters have dtypes {sorted(map(str, dtypes))}: autopar "
-                         "plans fp32 or bf16 models; convert it with model.to(torch.bfloat16) or "
-                         "model.float(), or pass Layout(precision=...)")
-    return default_precision(cluster)
+                         "plans and runs fp32 or bf16 models of one dtype; convert it with "
+                         "model.float() or model.to(torch.bfloat16), or pass Layout(precision=...)")
+    own = names[next(iter(dtypes))] if dtypes else "fp32"
+    if own == "fp32" and cluster is not None:
+        return default_precision(cluster)
+    return own
 
 
 def plan(
