@@ -118,6 +118,13 @@ def _cluster(args: argparse.Namespace):
     """The `Cluster` of --cluster/--nodes/--gpus-per-node, each checked first."""
     from cost import PROFILES, Cluster
 
+    if getattr(args, "profile", None):
+        nodes = _positive("--nodes", args.nodes, "the number of nodes")
+        gpus = _positive("--gpus-per-node", args.gpus_per_node, "the number of GPUs per node")
+        try:
+            return Cluster.from_profile(args.profile, nodes=nodes, gpus_per_node=gpus)
+        except (FileNotFoundError, ValueError) as exc:
+            raise UsageError(f"--profile {args.profile}: {exc}") from None
     name = args.cluster.strip().lower()
     if name == "local":
         return Cluster.local()
@@ -304,6 +311,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_runtime_bench(quick=args.quick, calibration=args.calibration)
         print(format_runtime_bench(result))
+    elif args.what == "playbook":
+        from autopar.bench.playbook import format_playbook_bench, run_playbook_bench
+
+        result = run_playbook_bench(args.runs, quick=args.quick)
+        print(format_playbook_bench(result))
     elif args.what == "solver":
         from autopar.bench.solver import format_solver_bench, run_solver_bench
 
@@ -396,10 +408,35 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.runs:
+        return _calibrate_runs(args)
     from autopar.calibrate.local import calibrate, format_calibration
 
     data = calibrate(world_sizes=tuple(args.ranks), path=args.out, quick=args.quick)
     print(format_calibration(data))
+    return 0
+
+
+def _calibrate_runs(args: argparse.Namespace) -> int:
+    """`autopar calibrate --runs FILE --cluster NAME -o PROFILE`: fit the cost parameters."""
+    from autopar.calibrate.fit import fit_profile, format_fit
+    from autopar.calibrate.runs import RunsError
+    from cost import PROFILES
+
+    name = args.cluster.strip().lower()
+    if name not in PROFILES:
+        raise UsageError(f"--cluster {args.cluster!r} is not a known cluster profile; fix: choose "
+                         f"the profile whose links the runs ran on, one of {', '.join(PROFILES)}")
+    out = args.out or "profile.json"
+    gpus = _positive("--gpus-per-node", args.gpus_per_node, "the number of GPUs per node")
+    try:
+        result = fit_profile(args.runs, name, out, gpus_per_node=gpus,
+                             progress=None if args.quiet else print)
+    except RunsError as exc:
+        raise UsageError(f"{exc}") from None
+    print(format_fit(result))
+    print(f"wrote {out}; plan with it: autopar plan --profile {out} --nodes N ... or "
+          f"autopar.Cluster.from_profile({out!r}, nodes=N)")
     return 0
 
 
@@ -422,10 +459,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the report as JSON to this path")
     p.set_defaults(func=cmd_inspect)
 
-    p = add("calibrate", help="measure this machine for Cluster.local()")
+    p = add("calibrate", help="measure this machine for Cluster.local(), or (--runs) fit the "
+            "cost model to a cluster's measured runs")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="gloo world sizes to time")
-    p.add_argument("--out", help="calibration file (default ~/.cache/autopar/calibration.json)")
+    p.add_argument("--out", "-o", help="calibration file (default ~/.cache/autopar/calibration.json)"
+                   "; with --runs the profile to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (~20 s)")
+    p.add_argument("--runs", help="a CSV of measured runs (model,nodes,dp,tp,pp,zero,mbs,grad_acc,"
+                   "tok_s_gpu[,gpu_mem_gb,seq,cp]; see autopar/calibrate/runs.py): fit the cost "
+                   "model's parameters to them")
+    p.add_argument("--cluster", default="h100-efa", help="--runs: the profile of the cluster "
+                   "they ran on (default h100-efa)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="--runs: GPUs per node (default 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_calibrate)
 
     p = add("plan", help="choose (or evaluate) the parallel layout of a zoo model on a cluster")
@@ -433,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="h100", help="profile: h100, h100-efa, h200, a100, or local")
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--profile", help="a fitted cost profile (`autopar calibrate --runs ... -o "
+                   "FILE`): its cluster and parameters instead of --cluster's")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: 4096, or the model's maximum if shorter)")
     p.add_argument("--global-batch-tokens", type=_parse_tokens, default=2**20,
@@ -453,11 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dump)
 
     p = add("bench", help="benchmarks: tables plus JSON in results/")
-    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime"])
+    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime", "playbook"])
     p.add_argument("--quick", action="store_true", help="fewer points")
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
     p.add_argument("--calibration", help="runtime: predict with this `autopar calibrate` file "
                    "(default: calibrate now, with the bench's ranks)")
+    p.add_argument("--runs", help="playbook: a runs CSV (default: the playbook's 1B/8B runs)")
     p.add_argument("--json", help="where to write the results (default results/bench-WHAT.json)")
     p.set_defaults(func=cmd_bench)
     return parser

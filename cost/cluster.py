@@ -22,9 +22,14 @@ from .calibration import (
     load_calibration,
 )
 from .hardware import GPUS, GPUSpec, get_gpu
+from .params import CostParams
+from .profile import load_profile
 from .rings import ring_steps
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
+# The fit of the cost model's free parameters to the playbook's 1B/8B runs (`autopar calibrate
+# --runs shared/reference/playbook-runs-1b-8b.csv --cluster h100-efa`): what "h100-efa" prices with.
+H100_EFA_FIT = PROFILE_DIR / "h100_efa_fit.json"
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,14 @@ def _load_curves(filename: str) -> tuple[dict[str, list[tuple[float, float]]], f
     return curves, float(doc["message_bytes"]), int(doc["gpus_per_node"]), doc["source"]
 
 
+def _fitted(path: Path) -> dict:
+    """The params and coverage of a shipped fit (defaults while it is absent)."""
+    if not path.exists():
+        return {"params": CostParams(), "fit_coverage": None}
+    profile = load_profile(path)
+    return {"params": profile.params, "fit_coverage": profile.fit.get("coverage")}
+
+
 def _profile(name: str) -> dict:
     """Field values of the named profile (excluding nodes / gpus_per_node)."""
     if name in ("h100", "h200"):
@@ -161,7 +174,9 @@ def _profile(name: str) -> dict:
             "busbw_curves": curves,
             "curve_message_bytes": message_bytes,
             "curve_gpus_per_node": gpn,
-            "source": "the Ultra-Scale Playbook's cluster; busbw calibration: " + source,
+            **_fitted(H100_EFA_FIT),
+            "source": ("the Ultra-Scale Playbook's cluster; busbw calibration: " + source
+                       + f"; cost parameters fitted to its measured runs ({H100_EFA_FIT.name})"),
         }
     if name == "a100":
         return {
@@ -198,6 +213,8 @@ _OVERRIDABLE = (
     "inter_efficiency",
     "base_latency",
     "collective_fits",
+    "params",
+    "fit_coverage",
     "source",
 )
 
@@ -224,6 +241,10 @@ class Cluster:
     inter_efficiency: achieved fraction of inter.bandwidth per NIC.
     base_latency: fixed cost of one collective call (seconds).
     collective_fits: per-kind alpha-beta fits measured by `autopar calibrate` (local only).
+    params: the cost model's free parameters (`cost.params.CostParams`): defaults, or the fit
+        of a profile file (`from_profile`; the shipped ``h100-efa`` profile is a fit).
+    fit_coverage: for fitted parameters, the layout values the fit's runs had (field -> values;
+        `cost.profile.coverage_notes` says where a layout leaves them).
     """
 
     name: str
@@ -239,6 +260,8 @@ class Cluster:
     inter_efficiency: float
     base_latency: float
     collective_fits: dict[str, CollectiveFit] | None
+    params: CostParams
+    fit_coverage: dict | None
     source: str
 
     def __init__(self, name: str = "h100", nodes: int = 1, gpus_per_node: int = 8, **overrides):
@@ -261,6 +284,8 @@ class Cluster:
             "curve_message_bytes": 0.0,
             "curve_gpus_per_node": 0,
             "collective_fits": None,
+            "params": CostParams(),
+            "fit_coverage": None,
         }
         values.update(_profile(key))
         values.update(overrides)
@@ -360,6 +385,22 @@ class Cluster:
         )._renamed("local")
 
     @classmethod
+    def from_profile(cls, path: str | os.PathLike, nodes: int = 1,
+                     gpus_per_node: int | None = None) -> Cluster:
+        """The cluster of a fitted cost profile (`autopar calibrate --runs ... -o FILE`):
+        its base profile's links and GPU with the fitted `CostParams`, at ``nodes`` nodes."""
+        profile = load_profile(path)
+        if profile.base not in PROFILES:
+            raise ValueError(f"{path}: base profile {profile.base!r} is unknown; known: "
+                             f"{list(PROFILES)}")
+        per_node = gpus_per_node or int(profile.fit.get("gpus_per_node", 8))
+        base = cls(profile.base, nodes=nodes, gpus_per_node=per_node)
+        base.params = profile.params
+        base.fit_coverage = profile.fit.get("coverage")
+        base.source = f"{base.source}; cost parameters fitted in {path}"
+        return base
+
+    @classmethod
     def detect(cls, nodes: int | None = None) -> Cluster:
         """The cluster of the GPUs this process sees: their kind's profile (by device name),
         the GPUs per node (``LOCAL_WORLD_SIZE`` under torchrun, else the devices visible) and
@@ -388,6 +429,18 @@ class Cluster:
     def _renamed(self, name: str) -> Cluster:
         self.name = name
         return self
+
+    def price_key(self) -> tuple:
+        """Everything a price depends on but the node count (hashable): memo keys of terms
+        that see only groups inside the TP or pipeline axes."""
+        curves = tuple(sorted((k, tuple(v)) for k, v in (self.busbw_curves or {}).items()))
+        fits = tuple(sorted((self.collective_fits or {}).items()))
+        gpu = self.gpu
+        return (self.name, self.gpus_per_node, gpu.name, tuple(sorted(gpu.peak_flops.items())),
+                gpu.memory_bw, gpu.memory_efficiency, gpu.matmul_efficiency, gpu.kernel_floor_s,
+                self.intra, self.inter, tuple(sorted(self.intra_efficiency.items())),
+                self.inter_efficiency, self.base_latency, curves, self.curve_message_bytes,
+                self.curve_gpus_per_node, fits, self.params)
 
     def describe(self) -> str:
         """One line: profile, shape, GPU and links."""
@@ -418,6 +471,8 @@ class Cluster:
                 }
             elif f.name == "busbw_curves" and value is not None:
                 value = {k: [list(p) for p in pts] for k, pts in value.items()}
+            elif isinstance(value, CostParams):
+                value = value.to_dict()
             elif f.name == "collective_fits" and value is not None:
                 value = {k: {"latency_s": v.latency_s, "busbw": v.busbw} for k, v in value.items()}
             elif isinstance(value, dict):
@@ -432,7 +487,7 @@ class Cluster:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown Cluster fields {sorted(unknown)}; known: {sorted(known)}")
-        missing = known - set(data)
+        missing = known - set(data) - {"params", "fit_coverage"}  # plans written before them
         if missing:
             raise ValueError(f"Cluster dict lacks {sorted(missing)}")
         values = dict(data)
@@ -443,6 +498,8 @@ class Cluster:
             values["busbw_curves"] = {
                 k: [(float(n), float(b)) for n, b in pts] for k, pts in data["busbw_curves"].items()
             }
+        values["params"] = CostParams.from_dict(data.get("params") or {})
+        values["fit_coverage"] = data.get("fit_coverage")
         if data["collective_fits"] is not None:
             values["collective_fits"] = {
                 k: CollectiveFit(**v) for k, v in data["collective_fits"].items()

@@ -19,7 +19,7 @@ Model: ``time = alpha + traffic(K) / busbw_large`` where
   nodes, the NICs of the group's ranks on one node (rail-optimised rings: each of those ranks'
   NIC carries one ring's node crossing, so a ring's busbw is ranks_per_node x NIC bandwidth).
 * Calibrated profiles (``cluster.busbw_curves``) carry busbw measured at one message size for
-  groups spanning whole nodes. Each point is turned into an efficiency, measured / modelled
+  groups spanning whole nodes; a group is read at its size in whole nodes' worth of ranks. Each point is turned into an efficiency, measured / modelled
   (after removing alpha at that size, so the measured point is reproduced exactly at its own
   size), and log(efficiency) is interpolated linearly in log2(nodes) between points, held
   constant beyond the first and last. The points are calibration data, not answers: the model
@@ -201,33 +201,51 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
     return ys[-1]
 
 
-def large_message_busbw(kind: str, group: Group, cluster: Cluster) -> float:
-    """The bandwidth term's busbw (B/s): links, measured fits or calibrated curves."""
+def large_message_busbw(kind: str, group: Group, cluster: Cluster, in_step: bool = True) -> float:
+    """The bandwidth term's busbw (B/s): links, measured fits or calibrated curves; ``in_step``:
+    times what a training step reaches of it (`CostParams.intra_bw_scale` inside a node,
+    `inter_bw_scale` across nodes), else what nccl-tests would measure."""
     _check_kind(kind)
+    params = cluster.params
+    scale = 1.0 if not in_step else (params.intra_bw_scale if group.nodes == 1
+                                     else params.inter_bw_scale)
     fits = cluster.collective_fits
     if fits and kind in fits and group.nodes == 1:
-        return fits[kind].busbw
+        return fits[kind].busbw * scale
     busbw = link_busbw(kind, group, cluster)
-    efficiency = _curve_efficiency(kind, group.nodes, cluster)
-    return busbw * efficiency if efficiency is not None else busbw
+    # the measured falloff is read at the group's size in whole nodes' worth of ranks: a
+    # group of fewer ranks per node (DP outside TP) runs shorter rings over the same nodes
+    # (fitting the playbook's runs: dp128 x tp4 on 64 nodes ran at 3x the busbw the 64-node
+    # point gives its 2 NICs per node)
+    whole_nodes = max(1, group.size // (cluster.curve_gpus_per_node or cluster.gpus_per_node))
+    efficiency = _curve_efficiency(kind, whole_nodes, cluster)
+    return scale * (busbw * efficiency if efficiency is not None else busbw)
 
 
-def collective_time(kind: str, nbytes: float, group: Group, cluster: Cluster) -> float:
-    """Seconds for one ``kind`` of K = ``nbytes`` on ``group`` (0 for a group of one rank)."""
+def collective_time(kind: str, nbytes: float, group: Group, cluster: Cluster,
+                    in_step: bool = True) -> float:
+    """Seconds for one ``kind`` of K = ``nbytes`` on ``group`` (0 for a group of one rank).
+
+    in_step: as a training step sees it (the cluster's `CostParams`: a per-call overhead and
+    the share of the bus bandwidth the step reaches); False: as nccl-tests would time it."""
     _check_kind(kind)
     if nbytes < 0:
         raise ValueError(f"collective_time: nbytes={nbytes} must be >= 0")
     if group.size == 1 or nbytes == 0:
         return 0.0
     traffic = traffic_factor(kind, group.size) * nbytes
-    return latency(kind, group, cluster) + traffic / large_message_busbw(kind, group, cluster)
+    params = cluster.params
+    overhead = 0.0 if not in_step else (params.collective_overhead_s if group.nodes == 1
+                                        else params.inter_collective_overhead_s)
+    return (latency(kind, group, cluster) + overhead
+            + traffic / large_message_busbw(kind, group, cluster, in_step))
 
 
 def bus_bandwidth(
     kind: str, group: Group, cluster: Cluster, nbytes: float = DEFAULT_MESSAGE_BYTES
 ) -> float:
     """Predicted nccl-tests busbw (B/s) of ``kind`` at K = ``nbytes``; inf for one rank."""
-    t = collective_time(kind, nbytes, group, cluster)
+    t = collective_time(kind, nbytes, group, cluster, in_step=False)
     if t == 0.0:
         return math.inf
     return traffic_factor(kind, group.size) * nbytes / t

@@ -58,12 +58,14 @@ def op_time(
 GEMM_HALF_EFFICIENCY_FLOPS = {"bf16": 1.78e10, "fp16": 1.78e10, "fp8": 4.47e10}
 
 
-def gemm_efficiency(flops, gpu: GPUSpec, dtype: str = "bf16"):
-    """Fraction of peak a GEMM of ``flops`` (a number or a numpy array) reaches on ``gpu``."""
+def gemm_efficiency(flops, gpu: GPUSpec, dtype: str = "bf16", half_scale: float = 1.0):
+    """Fraction of peak a GEMM of ``flops`` (a number or a numpy array) reaches on ``gpu``.
+
+    half_scale: F_half relative to the H200 fit (`cost.params.CostParams.gemm_half_scale`)."""
     if gpu.is_cpu:
         # CPU rates come from `autopar calibrate`: achieved rates, no GPU launch-latency curve
         return flops * 0 + gpu.efficiency(dtype)  # same shape as flops (number or array)
-    half = GEMM_HALF_EFFICIENCY_FLOPS.get(dtype, GEMM_HALF_EFFICIENCY_FLOPS["bf16"])
+    half = half_scale * GEMM_HALF_EFFICIENCY_FLOPS.get(dtype, GEMM_HALF_EFFICIENCY_FLOPS["bf16"])
     return gpu.efficiency(dtype) * flops / (flops + half)
 
 

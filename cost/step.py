@@ -31,7 +31,7 @@ import numpy as np
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
 from cost.layout import Layout, LayoutError
-from cost.memory import RESERVE_BYTES, MemoryBreakdown, buffer_bytes, model_state_bytes
+from cost.memory import MemoryBreakdown, buffer_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import recipe
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
@@ -48,6 +48,7 @@ from cost.terms.compute import (
     FP8_CAST_BYTES_PER_INPUT_BYTE,
     FRAMEWORK_EFFICIENCY,
     compute_per_stage,
+    host_overhead_per_stage,
     node_times,
     recompute_per_stage,
     step_node_times,
@@ -57,7 +58,8 @@ from cost.terms.data_parallel import dp_comm
 from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
 from cost.terms.pipeline_parallel import p2p_time, pipeline_time
-from cost.terms.tensor_parallel import tp_exposed, tp_small_collectives
+from cost.terms.tensor_parallel import tp_comm as tp_comm_terms
+from cost.terms.tensor_parallel import tp_small_collectives
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM", "CPU_ADAM_BYTES_PER_PARAM", "FP8_CAST_BYTES_PER_INPUT_BYTE",
@@ -194,11 +196,13 @@ def predict(
     # ---- per stage, one micro-batch
     times = step_node_times(facts, cluster, lay)
     fwd, bwd = compute_per_stage(facts, lay, times)
+    host = host_overhead_per_stage(facts, cluster, lay)
     recomp = recompute_per_stage(facts, lay, times)
-    tp_comm = tp_exposed(facts, cluster, lay, times, scale, n_layers, pp)
+    tp_comm, tp_hidden_fwd, tp_hidden_bwd = tp_comm_terms(facts, cluster, lay, times, scale,
+                                                          n_layers, pp)
     cp_comm = cp_exposed(facts, cluster, lay, times, scale)
     ep = ep_comm(facts, cluster, lay, scale)
-    stage_time = fwd + bwd + recomp + tp_comm + cp_comm + ep
+    stage_time = fwd + bwd + host + recomp + tp_comm + cp_comm + ep
     slowest = int(np.argmax(stage_time))
 
     # ---- the step: pipeline, data-parallel sync, optimizer
@@ -206,7 +210,8 @@ def predict(
     params_stage = params_per_stage(facts, lay, n_layers)
     worst_params = float(params_stage.max())
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),
-                                   float(bwd[slowest]), float(recomp[slowest]))
+                                   float(bwd[slowest]), float(recomp[slowest]),
+                                   float(tp_hidden_fwd[slowest]), float(tp_hidden_bwd[slowest]))
     optimizer_s = optimizer_time(cluster, lay, worst_params)
 
     step = pipe_total + dp_exposed + optimizer_s
@@ -222,6 +227,7 @@ def predict(
                           key=lambda b: b.total)
     time_breakdown = {
         "compute_s": m * float(fwd[slowest] + bwd[slowest]),
+        "host_overhead_s": m * float(host[slowest]),
         "recompute_s": m * float(recomp[slowest]),
         "tp_comm_s": m * float(tp_comm[slowest]),
         "cp_comm_exposed_s": m * float(cp_comm[slowest]),
@@ -256,6 +262,8 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
     # pass does not rebuild and the roots its chains start from, block inputs included)
     keep = saved.kept(lay.recompute)
     stage = stage_of(saved.layer, n_layers, pp)
+    # the caching allocator holds more than the live bytes (`CostParams.activation_fragmentation`)
+    local = local * cluster.params.activation_fragmentation
     per_stage = np.bincount(stage, weights=local * keep, minlength=pp)
     # At the peak of the backward the largest activation and its gradient are live beside the
     # saved ones (the fp32 logits and their gradient in a language model): a temporary buffer the
@@ -281,7 +289,7 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
                 optimizer=states["optimizer"],
                 activations=float(per_stage[s]) * flight,
                 buffers=buffer_bytes(lay.dp * cp, lay.zero, block_params_, rec.param_bytes) + transient,
-                reserve=RESERVE_BYTES,
+                reserve=cluster.params.memory_reserve_bytes,
             )
         )
     return out

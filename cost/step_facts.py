@@ -33,6 +33,11 @@ def _check_lengths(table: object) -> None:
         raise ValueError(f"{type(table).__name__}: columns of different lengths {lengths}")
 
 
+# memo tags of `StepFacts._memo` that depend on the graph and the layout's degrees only, never
+# on the cluster (kept by `StepFacts.clear_memo`)
+GRAPH_ONLY_MEMOS = ("stage_params", "block_params", "tp_small_sites")
+
+
 def _scale_where(values: np.ndarray, mask: np.ndarray, r: float) -> np.ndarray:
     return np.where(mask, values * r, values)
 
@@ -42,7 +47,8 @@ class NodeTable:
     """Per node of the captured step (call_function nodes that are not views), in graph order."""
 
     name: np.ndarray  # node name in the joint graph (str)
-    flops: np.ndarray  # tensor-core FLOPs for the whole captured batch
+    flops: np.ndarray  # tensor-core FLOPs the kernels run for the whole captured batch (causal
+    # attention: half the convention's; `StepFacts.total_flops` keeps the convention for MFU)
     vflops: np.ndarray  # vector (element-wise) FLOPs
     bytes_act: np.ndarray  # bytes of batch-dependent inputs/outputs (scale with the batch)
     bytes_const: np.ndarray  # bytes of the rest (weights, tables)
@@ -188,6 +194,12 @@ class StepFacts:
     def num_params(self) -> int:
         """Parameters counted once each."""
         return sum(self.params.numel.values())
+
+    def clear_memo(self) -> None:
+        """Forget the memoised prices (a calibration prices the same facts under many parameter
+        values); what depends on the graph and the degrees alone stays."""
+        for key in [k for k in self._memo if k[0] not in GRAPH_ONLY_MEMOS]:
+            del self._memo[key]
 
     def rebatch(self, batch: int) -> StepFacts:
         """The same step with a global batch of ``batch`` sequences (no new capture needed:

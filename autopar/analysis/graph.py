@@ -56,6 +56,14 @@ class NodeInfo:
     is_view: bool
     is_matmul: bool
     storage: str  # name of the node whose storage this value lives in
+    # share of ``flops`` the kernel executes: 1/2 for causal flash attention, which skips the
+    # masked blocks; ``flops`` itself keeps the playbook's non-causal count (MFU's convention)
+    causal_share: float = 1.0
+
+    @property
+    def executed_flops(self) -> float:
+        """The tensor-core FLOPs the kernel runs (what its time is priced on)."""
+        return self.flops * self.causal_share
 
 
 @dataclass
@@ -212,6 +220,7 @@ def _node_info(node, kinds, nodes: dict[str, NodeInfo], prefix) -> NodeInfo:
         is_view=is_view,
         is_matmul=is_matmul,
         storage=storage,
+        causal_share=_causal_share(node) if flops else 1.0,
     )
 
 
@@ -234,6 +243,24 @@ def _flops(node: torch.fx.Node) -> float:
         return float(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:  # a formula that cannot read these args counts as no matmul work
         return 0.0
+
+
+# Flash attention under a causal mask computes only the blocks on and below the diagonal:
+# (s/B)(s/B + 1)/2 of (s/B)^2 tiles, 1/2 for long sequences (FlashAttention-2, Dao 2023, sec. 3.1:
+# "we can skip the blocks ... about 1.7-1.8x speedup"); taken as 1/2.
+CAUSAL_ATTENTION_SHARE = 0.5
+
+
+def _causal_share(node: torch.fx.Node) -> float:
+    """`CAUSAL_ATTENTION_SHARE` for a causal attention node (forward or backward), else 1."""
+    target = node.target
+    if _CPU_FLASH is not None and target == _CPU_FLASH.default:
+        causal = node.kwargs.get("is_causal", node.args[4] if len(node.args) > 4 else False)
+    elif _CPU_FLASH_BWD is not None and target == _CPU_FLASH_BWD.default:
+        causal = node.kwargs.get("is_causal", node.args[7] if len(node.args) > 7 else False)
+    else:
+        return 1.0
+    return CAUSAL_ATTENTION_SHARE if causal is True else 1.0
 
 
 def _attention_flops(q, k, v) -> float:

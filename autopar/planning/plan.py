@@ -19,6 +19,7 @@ from autopar.search.step import CapturedStep
 from autopar.strategies.tp_recipe import COL, ROW, VOCAB
 from cost import Cluster, Layout
 from cost.plan_types import Fallback, PlanDecisions
+from cost.profile import coverage_notes
 from cost.step import Prediction, StepFacts, predict
 
 PLAN_VERSION = 2  # 2: the decisions (cost.plan_types) travel whole
@@ -103,6 +104,9 @@ class Plan:
                 f"  solver   {self.solve.get('method', '?')}: {self.solve.get('evaluated', 0)} layouts "
                 f"evaluated in {self.solve.get('time_s', 0):.2f} s"
             )
+        for note in coverage_notes(lay, self.cluster.fit_coverage,
+                                   f"the {self.cluster.name} cost profile"):
+            lines.append(f"  note     {note}")
         lines.append("")
         lines.append(
             f"predicted step {fmt_time(p.step_time_s)}, {p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "

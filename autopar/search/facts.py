@@ -81,7 +81,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
             info.is_matmul and any(i.name in tp.weight_of for i in node.all_input_nodes)
         )
         arrays["name"].append(node.name)
-        arrays["flops"].append(info.flops)
+        arrays["flops"].append(info.executed_flops)
         arrays["vflops"].append(info.vector_flops)
         arrays["bytes_act"].append(act_in + (written if out_bd else 0))
         arrays["bytes_const"].append(const_in + (0 if out_bd else written))

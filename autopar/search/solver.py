@@ -21,7 +21,6 @@ from autopar.errors import AutoparError
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
-from cost.memory import RESERVE_BYTES
 from cost.step import (
     Prediction,
     StepFacts,
@@ -186,7 +185,7 @@ def solve(
     base = step.facts()
     # The model state alone, sharded as thinly as ZeRO-3 can (bf16 weights and gradients, fp32
     # master and Adam: 16 bytes per parameter), must fit beside the reserve.
-    floor = base.num_params * 16 / cluster.world_size + RESERVE_BYTES
+    floor = base.num_params * 16 / cluster.world_size + cluster.params.memory_reserve_bytes
     if floor > cluster.gpu.memory_bytes:
         raise NoFeasiblePlanError(
             f"{model or 'the model'} has {base.num_params / 1e9:.1f} B parameters: even sharded "
@@ -194,7 +193,7 @@ def solve(
             f"{floor / 2**30:.1f} GiB per device (with the runtime reserve) and "
             f"{cluster.gpu.name} has {cluster.gpu.memory_bytes / 2**30:.1f} GiB, short by "
             f"{(floor - cluster.gpu.memory_bytes) / 2**30:.1f} GiB; fix: at least "
-            f"{int(base.num_params * 16 // (cluster.gpu.memory_bytes - RESERVE_BYTES)) + 1} devices"
+            f"{int(base.num_params * 16 // (cluster.gpu.memory_bytes - cluster.params.memory_reserve_bytes)) + 1} devices"
         )
     if progress:
         progress(f"searching layouts of {model or 'the model'} on {cluster.world_size} devices ...")

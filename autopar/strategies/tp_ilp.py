@@ -13,7 +13,7 @@ attention nodes); a segment is sharded (S) exactly when one of its producing mat
 column-parallel, and replicated (R) otherwise. The objective is the step's time on one rank
 for the captured batch, priced by the step model itself (`cost.step.predict`'s terms): every
 node and its backward at the roofline of `cost.terms.compute.roofline_times`, whole or split t
-ways (sharded nodes; R ones too under sequence parallelism), slowed by `FRAMEWORK_EFFICIENCY`;
+ways (sharded nodes; R ones too under sequence parallelism), slowed by the framework efficiency;
 and the collectives each role and segment state implies, priced by `cost.comm.collective_time`
 on the TP group with `cost.terms.tensor_parallel.event_collective` (SP: reduce-scatter and
 all-gather; without: all-reduce, and the gathers a replicated use needs): a row layer's
@@ -53,7 +53,7 @@ from autopar.capture.joint import TrainingGraph
 from autopar.strategies.tp_recipe import COL, REPLICATED, ROW, VOCAB, TPRecipe, find_tp_recipe
 from cost import Cluster, collective_time
 from cost.terms.common import comm_overlap, default_precision
-from cost.terms.compute import FRAMEWORK_EFFICIENCY, compute_dtype, roofline_times
+from cost.terms.compute import compute_dtype, roofline_times
 from cost.terms.tensor_parallel import event_collective, tp_group
 
 aten = torch.ops.aten
@@ -413,7 +413,7 @@ def _node_seconds(graph: TrainingGraph, analysis: GraphAnalysis, cluster: Cluste
     """Step seconds of every node at the captured batch, whole and split ``tp`` ways: the
     roofline of `cost.terms.compute.roofline_times` (the step model's) on the bytes
     `build_step_facts` counts (a fusion group's external inputs and outputs), in the
-    cluster's default precision, slowed by `FRAMEWORK_EFFICIENCY` as `predict` does."""
+    cluster's default precision, slowed by `CostParams.framework_efficiency` as `predict` does."""
     groups = fusion_groups(graph, analysis) if fused else {}
     ext_inputs, leaves = external_bytes(graph, analysis, groups)
     names, flops, vflops, nbytes, is_matmul, launch = [], [], [], [], [], []
@@ -422,7 +422,7 @@ def _node_seconds(graph: TrainingGraph, analysis: GraphAnalysis, cluster: Cluste
             continue  # views launch no kernel and move no bytes
         i = analysis.nodes[node.name]
         names.append(node.name)
-        flops.append(i.flops)
+        flops.append(i.executed_flops)
         vflops.append(i.vector_flops)
         read = sum(analysis.nodes[a.name].nbytes for a in ext_inputs[node.name])
         nbytes.append(read + (i.bytes_written if leaves[node.name] else 0))
@@ -434,7 +434,9 @@ def _node_seconds(graph: TrainingGraph, analysis: GraphAnalysis, cluster: Cluste
     dtype = np.full(f.shape, compute_dtype(gpu, default_precision(cluster)))
     out = []
     for div in (1, tp):
-        t = roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype) / FRAMEWORK_EFFICIENCY
+        t = (roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype,
+                            cluster.params.gemm_half_scale)
+             / cluster.params.framework_efficiency)
         out.append(dict(zip(names, t.tolist())))
     return out[0], out[1]
 

@@ -13,10 +13,10 @@ from cost.step_facts import StepFacts
 from cost.terms.common import resolved, stage_of
 
 # A training framework reaches less than the sum of its kernels' times: host overhead between
-# kernels, gradient clipping, data loading, stragglers. Calibrated on the playbook's measured
-# DP=8 throughput of its 1.34B model (nanotron on 8xH100, 40,150 tok/s/GPU), where the kernel
-# roofline alone predicts 47,124: 40,150 / 47,124 = 0.85. Kernel times themselves were checked
-# on an H200 (`autopar bench block-check`: blocks within 16 %).
+# kernels, gradient clipping, data loading, stragglers. The default of
+# `cost.params.CostParams.framework_efficiency` (fitted profiles carry their own): calibrated on
+# the playbook's measured DP=8 throughput of its 1.34B model (nanotron on 8xH100, 40,150
+# tok/s/GPU), where the kernel roofline alone predicts 47,124: 40,150 / 47,124 = 0.85.
 FRAMEWORK_EFFICIENCY = 0.85
 # fp8 matmuls first cast their bf16 inputs: read 2 bytes, write 1 per element, i.e. 1.5 bytes
 # moved per input byte (torchao's Float8 recipe: a cast kernel per input, tensorwise scales).
@@ -30,18 +30,20 @@ def compute_dtype(gpu: GPUSpec, precision: str) -> str:
 
 
 def roofline_times(gpu: GPUSpec, flops: np.ndarray, vflops: np.ndarray, nbytes: np.ndarray,
-                   is_matmul: np.ndarray, launch: np.ndarray, dtype: np.ndarray) -> np.ndarray:
+                   is_matmul: np.ndarray, launch: np.ndarray, dtype: np.ndarray,
+                   half_scale: float = 1.0) -> np.ndarray:
     """Kernel seconds of nodes with these local FLOPs and bytes (arrays, one entry per node).
 
     Matmuls run at the GEMM efficiency curve of `cost.compute.gemm_efficiency` for their local
     size in ``dtype``; element-wise work at the fp32 vector peak; either is at least its bytes
     over the memory bandwidth; a node that launches a kernel costs at least the GPU's floor.
     This is the one place a node is priced: `node_times` and the TP ILP both call it.
+    half_scale: the GEMM curve's F_half relative to the H200 fit (`CostParams.gemm_half_scale`).
     """
     rate = np.ones(flops.shape)
     for d in set(dtype.tolist()):
         sel = dtype == d
-        rate[sel] = gpu.peak(d) * gemm_efficiency(np.maximum(flops[sel], 1.0), gpu, d)
+        rate[sel] = gpu.peak(d) * gemm_efficiency(np.maximum(flops[sel], 1.0), gpu, d, half_scale)
     t_mm = np.where(is_matmul, flops / rate, vflops / gpu.peak("fp32"))
     times = np.maximum(t_mm, nbytes / (gpu.memory_bw * gpu.memory_efficiency))
     floor = np.where(launch, gpu.kernel_floor_s, 0.0)
@@ -55,8 +57,8 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
     Memoised per (cluster, tp, cp, sp, micro-batch, precision): the search re-uses it.
     """
     layout = resolved(facts, cluster, layout)
-    key = ("times", cluster.gpu.name, cluster.gpu.memory_bw, layout.tp, layout.cp, layout.sp,
-           layout.microbatch, layout.precision, facts.batch)
+    key = ("times", cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
+           layout.tp, layout.cp, layout.sp, layout.microbatch, layout.precision, facts.batch)
     if key not in facts._memo:
         facts._memo[key] = _node_times(facts, cluster, layout)
     return facts._memo[key]
@@ -78,12 +80,22 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
         dtype = np.where(fp8, "fp8", dtype)
         cast = (n.fp8_act_bytes * scale / cp + n.fp8_const_bytes) / div
         nbytes = nbytes + np.where(fp8, cast * FP8_CAST_BYTES_PER_INPUT_BYTE, 0.0)
-    return roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype)
+    return roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
+                          cluster.params.gemm_half_scale)
 
 
 def step_node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
-    """`node_times` as the step sees them: slowed by `FRAMEWORK_EFFICIENCY`."""
-    return node_times(facts, cluster, layout) / FRAMEWORK_EFFICIENCY
+    """`node_times` as the step sees them: slowed by the cluster's framework efficiency
+    (`CostParams.framework_efficiency`)."""
+    return node_times(facts, cluster, layout) / cluster.params.framework_efficiency
+
+
+def host_overhead_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """Host seconds of each stage for one micro-batch: `CostParams.layer_overhead_s` per block
+    it runs (forward and backward together)."""
+    n_layers = max(facts.n_layers, 1)
+    blocks = np.bincount(stage_of(np.arange(n_layers), n_layers, layout.pp), minlength=layout.pp)
+    return blocks * cluster.params.layer_overhead_s
 
 
 def node_stages(facts: StepFacts, layout: Layout) -> np.ndarray:

@@ -2,26 +2,51 @@
 
 from __future__ import annotations
 
+import math
+
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
 from cost.layout import Layout
+from cost.memory import DDP_BUCKET_BYTES
 from cost.precision import PrecisionRecipe
 from cost.terms.common import comm_overlap, zero_reduction
 
 
+def bucketed(kind: str, nbytes: float, group, cluster: Cluster) -> float:
+    """Seconds of reducing ``nbytes`` of gradients in DDP's buckets (`DDP_BUCKET_BYTES`, as the
+    DP pass issues them): one collective per bucket, each paying its latency; the framework's
+    per-call overhead (`CostParams.*collective_overhead_s`) once, since the buckets are issued
+    back to back while the previous one is on the wire."""
+    if nbytes <= 0:
+        return 0.0
+    buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
+    one = collective_time(kind, nbytes / buckets, group, cluster)
+    params = cluster.params
+    overhead = params.collective_overhead_s if group.nodes == 1 else params.inter_collective_overhead_s
+    return buckets * one - (buckets - 1) * overhead
+
+
 def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: float,
-            n_layers: int, fwd_s: float, bwd_s: float, recompute_s: float) -> tuple[float, float]:
+            n_layers: int, fwd_s: float, bwd_s: float, recompute_s: float,
+            tp_hidden_fwd_s: float = 0.0, tp_hidden_bwd_s: float = 0.0) -> tuple[float, float]:
     """(exposed, total) seconds of the data-parallel communication of one step (0 without DP).
 
     The group is the dp ranks (dp*cp with CP: CP ranks hold the same weights). DP reduces the
     whole gradients with an all-reduce once per step, after the last micro-batch (DDP's
     no_sync); ZeRO-1/2 reduce-scatter them (`zero_reduction`), ZeRO-2/3 every micro-batch
-    (FSDP's default: gradients stay sharded), and ZeRO-1/2 all-gather the updated weights once
-    per step, block by block. ZeRO-3 gathers every block's weights for the forward and the
-    backward of every micro-batch, prefetched one block ahead. Reductions hide behind the
-    backward (and recompute) of the slowest stage, ZeRO-3's gathers behind the whole
-    micro-batch, by `comm_overlap`. stage_params: TP/EP-local parameters of the fullest
-    stage; fwd_s, bwd_s, recompute_s: that stage's seconds for one micro-batch.
+    (FSDP's default: gradients stay sharded), in 25 MiB buckets (`bucketed`), and ZeRO-1/2
+    all-gather the updated weights once
+    per step, block by block, after the optimizer (exposed). ZeRO-3 gathers every block's
+    weights for the forward and the backward of every micro-batch, prefetched one block ahead.
+
+    One budget of compute hides everything, counted once: the reductions hide behind the
+    slowest stage's backward (and recompute) that the TP collectives do not already occupy
+    (``tp_hidden_bwd_s``), ZeRO-3's gathers behind what is left of the whole micro-batch; of
+    that compute only `CostParams.dp_overlap` can hide communication (the first blocks'
+    backward runs before any bucket is full, the last gather waits for the optimizer), and
+    every hidden second costs `CostParams.overlap_slowdown` seconds of the compute it hides
+    behind. stage_params: TP/EP-local parameters of the fullest stage; fwd_s, bwd_s,
+    recompute_s: that stage's seconds for one micro-batch.
     """
     dp_group_size = lay.dp * lay.cp
     if dp_group_size == 1:
@@ -36,23 +61,25 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     # backward of every micro-batch), plus the weights outside the blocks
     blocks = -(-n_layers // pp) + 1
     if lay.zero == 0:
-        sync = collective_time("all_reduce", grad_bytes, group, cluster)
+        sync = bucketed("all_reduce", grad_bytes, group, cluster)
         after = 0.0
     else:
-        sync = collective_time(zero_reduction(cluster), grad_bytes, group, cluster)
+        sync = bucketed(zero_reduction(cluster), grad_bytes, group, cluster)
         after = blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster) \
             if lay.zero < 3 else 0.0
-    overlap = comm_overlap(cluster)
-    hide = overlap * (bwd_s + recompute_s)
+    params = cluster.params
+    overlap = comm_overlap(cluster) * params.dp_overlap
+    hidden_sync = min(sync, overlap * max(0.0, bwd_s + recompute_s - tp_hidden_bwd_s))
     # whole gradients (DP, ZeRO-1) are reduced once per step, after the last micro-batch
     # (DDP's no_sync); sharded ones (ZeRO-2/3) by every micro-batch, each behind its backward
     syncs = m if lay.zero >= 2 else 1
-    exposed = syncs * max(0.0, sync - hide) + after
+    exposed = syncs * (sync - hidden_sync + params.overlap_slowdown * hidden_sync) + after
     total = syncs * sync + after
     if lay.zero == 3:
-        # prefetched one block ahead: hidden behind that micro-batch's compute
+        # prefetched one block ahead: hidden behind what that micro-batch's compute has left
         gather = 2 * blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
-        per_mb = overlap * (fwd_s + bwd_s + recompute_s)
-        exposed += m * max(0.0, gather - per_mb)
+        left = fwd_s + bwd_s + recompute_s - tp_hidden_fwd_s - tp_hidden_bwd_s - hidden_sync
+        hidden = min(gather, overlap * max(0.0, left))
+        exposed += m * (gather - hidden + params.overlap_slowdown * hidden)
         total += m * gather
     return exposed, total

@@ -12,13 +12,20 @@ from cost.step_facts import StepFacts
 def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> float:
     """Seconds of one stage-to-stage send of a micro-batch's block input (0 without PP).
 
-    The boundary activation is the block input (sequence-sharded under SP, / cp); adjacent
-    stages sit tp*cp ranks apart: on one node unless that crosses a node boundary."""
+    The boundary activation is the block input (sequence-sharded under SP, / cp). Adjacent
+    stages sit tp*cp ranks apart (playbook rank order: TP innermost, then CP, PP, DP), so a
+    pipeline of tp*cp*pp ranks wider than a node has a boundary that crosses nodes, and that
+    boundary gates every micro-batch. Each transfer also pays `CostParams.p2p_overhead_s`
+    plus `p2p_node_overhead_s` per node of the cluster: the handshake and the stages'
+    synchronisation."""
     if lay.pp == 1:
         return 0.0
     boundary = facts.block_input_bytes * scale / lay.cp / (lay.tp if lay.sp else 1)
-    pair = Group(2, 2 if 2 * lay.tp * lay.cp <= cluster.gpus_per_node else 1)
-    return collective_time("send_recv", boundary, pair, cluster)
+    crosses = lay.tp * lay.cp * lay.pp > cluster.gpus_per_node
+    pair = Group(2, 1 if crosses else 2)
+    params = cluster.params
+    overhead = params.p2p_overhead_s + params.p2p_node_overhead_s * cluster.nodes
+    return collective_time("send_recv", boundary, pair, cluster) + overhead
 
 
 def pipeline_time(slowest_stage_s: float, p2p_s: float, lay: Layout) -> tuple[float, float]:

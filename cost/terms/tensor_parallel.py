@@ -38,11 +38,20 @@ def event_collective(is_reduce: bool, always: bool, sp: bool) -> str | None:
 
 def exposed_after_overlap(fixed: np.ndarray, gather: np.ndarray, reduce: np.ndarray,
                           hide_gather: np.ndarray, hide_reduce: np.ndarray,
-                          overlap: float) -> np.ndarray:
+                          overlap: float, slowdown: float = 0.0) -> np.ndarray:
     """Exposed seconds per block: the fixed collectives, plus the overlappable gathers and
-    reductions beyond ``overlap`` times the matmul seconds that hide them."""
-    return (fixed + np.maximum(0.0, gather - overlap * hide_gather)
-            + np.maximum(0.0, reduce - overlap * hide_reduce))
+    reductions beyond ``overlap`` times the matmul seconds that hide them, plus ``slowdown``
+    times the seconds they do hide (`CostParams.overlap_slowdown`)."""
+    hidden_g = np.minimum(gather, overlap * hide_gather)
+    hidden_r = np.minimum(reduce, overlap * hide_reduce)
+    return fixed + (gather - hidden_g) + (reduce - hidden_r) + slowdown * (hidden_g + hidden_r)
+
+
+def hidden_by_overlap(gather: np.ndarray, reduce: np.ndarray, hide_gather: np.ndarray,
+                      hide_reduce: np.ndarray, overlap: float) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of matmul time per block that TP collectives hide behind:
+    that compute cannot also hide the data-parallel communication."""
+    return np.minimum(gather, overlap * hide_gather), np.minimum(reduce, overlap * hide_reduce)
 
 
 def tp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarray,
@@ -51,30 +60,37 @@ def tp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
 
     times: the nodes' step seconds (`compute.step_node_times`); scale: micro-batch / batch.
     """
+    return tp_comm(facts, cluster, lay, times, scale, n_layers, pp)[0]
+
+
+def tp_comm(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarray,
+            scale: float, n_layers: int, pp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(exposed, forward hidden, backward hidden) TP seconds per pipeline stage for one
+    micro-batch, memoised; hidden: the matmul seconds the overlapped collectives occupy."""
     if lay.tp == 1:
-        return np.zeros(pp)
-    key = ("tp_exposed", cluster.describe(), tuple(sorted(cluster.gpu.peak_flops.items())),
-           cluster.gpu.memory_bw, cluster.gpu.kernel_floor_s, lay.tp, lay.cp, lay.sp,
-           lay.microbatch, lay.precision, pp, facts.batch)
+        return np.zeros(pp), np.zeros(pp), np.zeros(pp)
+    # the TP group never depends on the node count (TP is innermost): one entry serves them all
+    key = ("tp_comm", cluster.price_key(), lay.tp, lay.cp, lay.sp, lay.microbatch, lay.precision,
+           pp, facts.batch)
     if key not in facts._memo:
-        facts._memo[key] = _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp)
+        facts._memo[key] = _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp)
     return facts._memo[key]
 
 
-def _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.ndarray:
+def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):
     tp, cp, ev, nodes = lay.tp, lay.cp, facts.events, facts.nodes
     group = tp_group(cluster, tp)
     ev_bytes = ev.bytes * np.where(ev.batch_dep, scale / cp, 1.0)
-    cache: dict[tuple[str, float], float] = {}
     cost = np.zeros(len(ev_bytes))
-    for i, (nb, is_reduce, always) in enumerate(zip(ev_bytes, ev.reduce, ev.always)):
-        kind = event_collective(bool(is_reduce), bool(always), lay.sp)
+    # events repeat per block: price each distinct (collective, size) once
+    for is_reduce, always in {(bool(a), bool(b)) for a, b in zip(ev.reduce, ev.always)}:
+        kind = event_collective(is_reduce, always, lay.sp)
         if kind is None:
             continue
-        key = (kind, float(nb))
-        if key not in cache:
-            cache[key] = collective_time(kind, float(nb), group, cluster)
-        cost[i] = cache[key]
+        sel = (ev.reduce == is_reduce) & (ev.always == always)
+        sizes, index = np.unique(ev_bytes[sel], return_inverse=True)
+        priced = np.array([collective_time(kind, float(nb), group, cluster) for nb in sizes])
+        cost[sel] = priced[index]
     # per block: overlappable collectives hide behind their matmuls, the rest is exposed
     slots = n_layers + 2  # -1 (before the blocks) .. n_layers (after)
     ev_slot = np.clip(ev.layer, -1, n_layers) + 1
@@ -89,10 +105,14 @@ def _compute_tp_exposed(facts, cluster, lay, times, scale, n_layers, pp) -> np.n
     r = np.bincount(ev_slot, weights=cost * reduce_ov, minlength=slots)
     hide_g = np.bincount(node_slot, weights=times * nodes.hides_gather, minlength=slots)
     hide_r = np.bincount(node_slot, weights=times * nodes.hides_reduce, minlength=slots)
-    exposed = exposed_after_overlap(fixed, g, r, hide_g, hide_r, comm_overlap(cluster))
+    overlap = comm_overlap(cluster) * cluster.params.tp_overlap
+    exposed = exposed_after_overlap(fixed, g, r, hide_g, hide_r, overlap,
+                                    cluster.params.overlap_slowdown)
     exposed += tp_small_collectives(facts, cluster, lay, scale, n_layers, group)
+    hidden_fwd, hidden_bwd = hidden_by_overlap(g, r, hide_g, hide_r, overlap)
     slot_stage = stage_of(np.arange(slots) - 1, n_layers, pp)
-    return np.bincount(slot_stage, weights=exposed, minlength=pp)
+    return tuple(np.bincount(slot_stage, weights=w, minlength=pp)
+                 for w in (exposed, hidden_fwd, hidden_bwd))
 
 
 def tp_small_collectives(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float,
@@ -102,15 +122,30 @@ def tp_small_collectives(facts: StepFacts, cluster: Cluster, lay: Layout, scale:
     is all-reduced over TP; a vocabulary-parallel loss all-reduces the logits' max, the sum of
     exponentials and the target logit (one fp32 value per token each). Latency-bound:
     negligible on NVLink, milliseconds on gloo."""
-    params = facts.params
     out = np.zeros(n_layers + 2)
-    for name, sharded in params.tp_sharded.items():
-        layers = params.stages_layer.get(name) or []
-        if lay.sp and layers and not sharded and not params.expert.get(name):
-            nbytes = params.numel[name] * params.dtype_bytes.get(name, 4)
-            out[min(max(layers), n_layers) + 1] += collective_time("all_reduce", nbytes, group, cluster)
-    head = [p for p, layers in params.stages_layer.items() if layers and max(layers) >= n_layers]
-    if any(params.tp_sharded.get(p) for p in head):
+    norms, head_sharded = _small_collective_sites(facts, n_layers)
+    if lay.sp:
+        for nbytes, slots in norms.items():
+            np.add.at(out, slots, collective_time("all_reduce", nbytes, group, cluster))
+    if head_sharded:
         token_bytes = 4.0 * facts.batch * facts.seq * scale / lay.cp
         out[n_layers + 1] += 3 * collective_time("all_reduce", token_bytes, group, cluster)
     return out
+
+
+def _small_collective_sites(facts: StepFacts, n_layers: int) -> tuple[dict[float, np.ndarray], bool]:
+    """(gradient bytes -> slots of the replicated block weights SP all-reduces, whether the
+    head is TP-sharded), memoised: a property of the graph alone."""
+    key = ("tp_small_sites", n_layers)
+    if key not in facts._memo:
+        params = facts.params
+        norms: dict[float, list[int]] = {}
+        for name, sharded in params.tp_sharded.items():
+            layers = params.stages_layer.get(name) or []
+            if layers and not sharded and not params.expert.get(name):
+                nbytes = float(params.numel[name] * params.dtype_bytes.get(name, 4))
+                norms.setdefault(nbytes, []).append(min(max(layers), n_layers) + 1)
+        head = [p for p, layers in params.stages_layer.items() if layers and max(layers) >= n_layers]
+        facts._memo[key] = ({k: np.array(v) for k, v in norms.items()},
+                            any(params.tp_sharded.get(p) for p in head))
+    return facts._memo[key]

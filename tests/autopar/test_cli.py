@@ -207,3 +207,13 @@ def test_command_line_from_a_shell_is_one_paragraph():
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("autopar: error: --seq 0") and "fix:" in proc.stderr
     assert elapsed < 30, elapsed  # start-up (imports) only: the check itself is milliseconds
+
+
+def test_calibrate_runs_errors_and_profile_flag(tmp_path, capsys):
+    bad = tmp_path / "runs.csv"
+    bad.write_text("model,nodes,dp,tp,pp,zero,mbs,grad_acc,tok_s_gpu\n8B,1,4,4,1,0,1,64,5000\n")
+    assert main(["calibrate", "--runs", str(bad), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "row 2" in err and "dp*tp*pp*cp" in err and "Traceback" not in err
+    assert main(["plan", "--model", "tiny-llama", "--profile", str(tmp_path / "none.json")]) == 2
+    assert "autopar calibrate" in capsys.readouterr().err

@@ -37,6 +37,17 @@ def test_flops_per_token_match_six_n_plus_attention():
     assert a.backward_flops == pytest.approx(2 * a.forward_flops, rel=0.02)
 
 
+def test_causal_attention_runs_half_its_counted_flops():
+    """The count keeps the playbook's non-causal convention (MFU); the executed FLOPs the step is
+    priced on are half for causal flash attention, forward and backward."""
+    _, a = _analyze(models.config("tiny-llama"))
+    attention = [n for n in a.nodes.values() if "flash_attention" in n.target]
+    assert len(attention) == 2 * models.config("tiny-llama").n_layers  # forward + backward
+    for n in attention:
+        assert n.flops > 0 and n.causal_share == 0.5 and n.executed_flops == 0.5 * n.flops
+    assert all(n.causal_share == 1.0 for n in a.nodes.values() if n.is_matmul)
+
+
 def test_moe_flops_scale_with_top_k_not_experts():
     base = models.config("tiny-mixtral")
     _, a2 = _analyze(dataclasses.replace(base, top_k=2))

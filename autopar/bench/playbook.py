@@ -1,0 +1,208 @@
+"""`autopar bench playbook`: does the cost model choose the layouts that ran fastest?
+
+The Ultra-Scale Playbook measured every layout of its 1B and 8B models on 1 to 64 nodes of
+8xH100 (``shared/reference/playbook-runs-1b-8b.csv``, shipped as ``data/``). A cell is one (model, nodes): the
+layouts that compete for one cluster. Per cell, for a set of predictions:
+
+- regret: measured throughput of the layout ranked first among those predicted to fit (of the
+  runs that trained), over the cell's best measured throughput (1 = autopar picks the best);
+- pick_failed: whether the first-ranked layout of all the cell's runs (failed ones included)
+  did not train;
+- spearman: rank correlation of predicted and measured throughput over the runs that trained;
+- best_ratio: predicted / measured throughput of the cell's best run;
+- fit_recall: runs that trained predicted to fit; oom_recall: runs that failed predicted not to.
+
+Rows, all in one run:
+
+- ``autopar (leave one cell out)``: the cost model fitted (`autopar.calibrate.fit`) on every
+  other cell, then ranking the held-out cell: the out-of-sample figure. Each fold starts from
+  the all-cell fit and runs the same bounded least squares to the held-in data (at most
+  ``fold_evals`` evaluations).
+- ``autopar (fit on all cells)``: the shipped profile's parameters; in-sample.
+- ``autopar (unfitted defaults)``: `CostParams()` defaults, the model before calibration.
+- ``textbook``: `autopar.bench.textbook`, no fitting.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from autopar.bench.textbook import textbook
+from autopar.calibrate.fit import fit_params
+from autopar.calibrate.runs import Run, RunPricer, read_runs, skipped_note, usable
+from cost.params import CostParams
+
+# a copy of shared/reference/playbook-runs-1b-8b.csv, shipped so that the fit can be redone
+DEFAULT_RUNS = Path(__file__).parent / "data" / "playbook-runs-1b-8b.csv"
+# the acceptance bar of issue 11 (leave-one-cell-out)
+TARGETS = {"regret_median": 0.99, "regret_worst": 0.90, "spearman_median": 0.85,
+           "fit_recall": 0.97, "best_ratio_median_abs_error": 0.15}
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation with average ranks for ties (nan below 3 points)."""
+    from scipy.stats import spearmanr
+
+    if len(a) < 3:
+        return float("nan")
+    value = spearmanr(a, b).statistic
+    return float(value) if np.isfinite(value) else float("nan")
+
+
+def cell_scores(runs: Sequence[Run], tps: np.ndarray, fits: np.ndarray) -> dict:
+    """The per-cell figures of the module docstring for one cell's runs and predictions."""
+    measured = np.array([r.tok_s_gpu or 0.0 for r in runs])
+    trained = np.array([r.trained for r in runs])
+    best = float(measured.max())
+    ranked = [i for i in np.argsort(-tps, kind="stable") if fits[i]]
+    trained_ranked = [i for i in ranked if trained[i]]
+    pick = trained_ranked[0] if trained_ranked else None
+    b = int(np.argmax(measured))
+    failed = ~trained
+    return {
+        "runs": len(runs),
+        "trained": int(trained.sum()),
+        "regret": float(measured[pick] / best) if pick is not None else 0.0,
+        "pick": _describe(runs[pick]) if pick is not None else None,
+        "pick_failed": bool(ranked and not trained[ranked[0]]),
+        "best": _describe(runs[b]),
+        "spearman": spearman(tps[trained], measured[trained]),
+        "best_ratio": float(tps[b] / best),
+        "fit_recall": float(fits[trained].mean()),
+        "oom_recall": float((~fits[failed]).mean()) if failed.any() else float("nan"),
+    }
+
+
+def _describe(run: Run) -> str:
+    lay = run.layout
+    return (f"dp{lay.dp} tp{lay.tp} pp{lay.pp} zero{lay.zero} mb{lay.microbatch} "
+            f"ga{lay.grad_accum} ({run.tok_s_gpu or 0:,.0f} tok/s/GPU, row {run.row})")
+
+
+def summarize(cells: dict[str, dict]) -> dict:
+    """Medians and worsts over cells; recalls pooled over runs."""
+    vals = list(cells.values())
+
+    def col(k):
+        return np.array([c[k] for c in vals], dtype=float)
+
+    trained = sum(c["trained"] for c in vals)
+    failed = sum(c["runs"] - c["trained"] for c in vals)
+    oom = [c["oom_recall"] * (c["runs"] - c["trained"]) for c in vals
+           if not math.isnan(c["oom_recall"])]
+    return {
+        "regret_median": float(np.median(col("regret"))),
+        "regret_worst": float(col("regret").min()),
+        "picks_failed": int(sum(c["pick_failed"] for c in vals)),
+        "spearman_median": float(np.nanmedian(col("spearman"))),
+        "best_ratio_median_abs_error": float(np.median(np.abs(col("best_ratio") - 1))),
+        "fit_recall": float(sum(c["fit_recall"] * c["trained"] for c in vals) / trained),
+        "oom_recall": float(sum(oom) / failed) if failed else float("nan"),
+    }
+
+
+def _by_cell(runs: Sequence[Run]) -> dict[tuple[str, int], list[int]]:
+    cells: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(runs):
+        cells.setdefault(r.cell, []).append(i)
+    return dict(sorted(cells.items()))
+
+
+def _score(runs, cells, tps, fits) -> dict[str, dict]:
+    return {f"{m} x{n}": cell_scores([runs[i] for i in idx], tps[idx], fits[idx])
+            for (m, n), idx in cells.items()}
+
+
+def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
+                       max_evals: int = 300, quick: bool = False,
+                       progress: Callable[[str], None] | None = print) -> dict:
+    """Every row of the module docstring on the runs file at ``path`` (the playbook's by
+    default). ``quick``: the 1B cells only, fewer evaluations (a smoke run, minutes)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda _: None)
+    runs, skipped = usable(read_runs(path or DEFAULT_RUNS))
+    if skipped:
+        say(skipped_note(skipped))
+    if quick:
+        runs = [r for r in runs if r.model == "playbook-1b"]
+        fold_evals, max_evals = min(fold_evals, 15), min(max_evals, 60)
+    cells = _by_cell(runs)
+    pricer = RunPricer("h100-efa", progress=say)
+    rows: dict[str, dict] = {}
+
+    say(f"{len(runs)} runs in {len(cells)} cells; textbook baseline ...")
+    tb = [textbook(r.model, r.nodes, r.layout, r.seq) for r in runs]
+    tb_tps = np.array([t for t, _ in tb])
+    tb_fits = np.array([m <= 80e9 for _, m in tb])
+    rows["textbook"] = _score(runs, cells, tb_tps, tb_fits)
+
+    say("unfitted defaults ...")
+    priced = pricer.price(runs, CostParams())
+    rows["autopar (unfitted defaults)"] = _score(runs, cells, priced.tps, priced.fits)
+
+    say("fit on all cells ...")
+    full = fit_params(runs, pricer, start=CostParams(), max_evals=max_evals, progress=say)
+    priced = pricer.price(runs, full.params)
+    rows["autopar (fit on all cells)"] = _score(runs, cells, priced.tps, priced.fits)
+
+    loo_tps, loo_fits = np.zeros(len(runs)), np.zeros(len(runs), dtype=bool)
+    folds = {}
+    for k, ((model, nodes), idx) in enumerate(cells.items(), start=1):
+        say(f"fold {k}/{len(cells)}: holding out {model} x{nodes} ...")
+        held = set(idx)
+        train = [r for i, r in enumerate(runs) if i not in held]
+        fold = fit_params(train, pricer, start=full.params, max_evals=fold_evals)
+        test = [runs[i] for i in idx]
+        p = pricer.price(test, fold.params)
+        loo_tps[idx], loo_fits[idx] = p.tps, p.fits
+        folds[f"{model} x{nodes}"] = fold.params.to_dict()
+    rows["autopar (leave one cell out)"] = _score(runs, cells, loo_tps, loo_fits)
+
+    summary = {name: summarize(c) for name, c in rows.items()}
+    loo, base = summary["autopar (leave one cell out)"], summary["textbook"]
+    checks = {k: {"value": loo[k], "target": v, "ok": loo[k] >= v if k != "best_ratio_median_abs_error"
+                  else loo[k] <= v,
+                  "beats_textbook": loo[k] >= base[k] if k != "best_ratio_median_abs_error"
+                  else loo[k] <= base[k]}
+              for k, v in TARGETS.items()}
+    return {"runs_file": str(path or DEFAULT_RUNS), "runs": len(runs), "cells": len(cells),
+            "skipped_rows": [r.row for r in skipped],
+            "quick": quick, "seconds": round(time.perf_counter() - t0, 1),
+            "fit": full.report, "params": full.params.to_dict(), "fold_params": folds,
+            "rows": rows, "summary": summary, "checks": checks}
+
+
+def format_playbook_bench(result: dict) -> str:
+    """The summary table, per-cell leave-one-out figures, and the acceptance checks."""
+    lines = [f"bench playbook: {result['runs']} runs in {result['cells']} cells "
+             f"({result['runs_file']}), {result['seconds']:.0f} s", ""]
+    head = (f"{'predictions':32s} {'regret med':>10s} {'worst':>6s} {'failed picks':>12s} "
+            f"{'spearman':>8s} {'best pred/meas err':>18s} {'fit rec':>7s} {'oom rec':>7s}")
+    lines += [head, "-" * len(head)]
+    for name, s in result["summary"].items():
+        lines.append(f"{name:32s} {s['regret_median']:10.3f} {s['regret_worst']:6.3f} "
+                     f"{s['picks_failed']:12d} {s['spearman_median']:8.2f} "
+                     f"{s['best_ratio_median_abs_error']:18.1%} {s['fit_recall']:7.3f} "
+                     f"{s['oom_recall']:7.3f}")
+    lines += ["", "leave one cell out, per cell:"]
+    loo, tb = result["rows"]["autopar (leave one cell out)"], result["rows"]["textbook"]
+    for cell, c in loo.items():
+        lines.append(f"  {cell:16s} regret {c['regret']:.3f} (textbook {tb[cell]['regret']:.3f}) "
+                     f"spearman {c['spearman']:+.2f} best pred/meas {c['best_ratio']:.2f} "
+                     f"pick {c['pick']}")
+    lines += ["", "fitted parameters (all cells; bounds):"]
+    for name, p in result["fit"]["parameters"].items():
+        flag = "  at bound" if p["at_bound"] else ""
+        lines.append(f"  {name:28s} {p['value']:<12.4g} [{p['lower']:g}, {p['upper']:g}] "
+                     f"{p['unit']}{flag}")
+    lines += ["", "acceptance (leave one cell out):"]
+    for k, c in result["checks"].items():
+        lines.append(f"  {k:30s} {c['value']:.3f} target {c['target']:g}: "
+                     f"{'ok' if c['ok'] else 'MISSED'}; "
+                     f"{'beats' if c['beats_textbook'] else 'does not beat'} the textbook")
+    return "\n".join(lines)

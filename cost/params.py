@@ -1,0 +1,137 @@
+"""The cost model's free parameters: physical, bounded, and fitted to measured runs.
+
+Every quantity of `cost.step.predict` that no datasheet fixes is one field of `CostParams`.
+Each `Cluster` carries a `CostParams` (``cluster.params``): the defaults below for the named
+profiles, or the values `autopar calibrate --runs` fitted to a cluster's measured runs (a
+profile file, `Cluster.from_profile`). The shipped ``h100-efa`` profile
+(``cost/profiles/h100_efa_fit.json``) is the fit to the Ultra-Scale Playbook's 1,641 runs of
+its 1B and 8B models.
+
+The parameters (bounds in `PARAMETERS`; the fit never leaves them):
+
+- ``framework_efficiency``: kernels' share of the step's compute time (host gaps between kernels,
+  clipping, data loading); the roofline time is divided by it.
+- ``gemm_half_scale``: how much work a GEMM needs to reach half its peak, relative to the H200
+  measurement of `cost.compute.GEMM_HALF_EFFICIENCY_FLOPS` (1: that measurement).
+- ``layer_overhead_s``: host seconds per block per micro-batch, forward and backward together
+  (kernel launches, hooks, Python): what makes small micro-batches and deep pipelines slow.
+- ``intra_bw_scale`` / ``inter_bw_scale``: the bus bandwidth a training step's collectives
+  reach inside a node / across nodes, relative to nccl-tests' on the same links (busbw
+  curves where the profile has them, the link model elsewhere): concurrent groups sharing NICs,
+  bucketed messages, stream contention.
+- ``collective_overhead_s`` / ``inter_collective_overhead_s``: seconds each collective call
+  costs beyond NCCL's latency model inside a node / across nodes (the framework's
+  synchronisation, stream waits, EFA's small-message cost): what makes many small TP
+  collectives slow.
+- ``tp_overlap``: share of Megatron's TP overlaps (the SP all-gather behind the column matmul,
+  the input-gradient reduction behind the weight-gradient matmul) the framework achieves.
+- ``dp_overlap``: share of the backward (the whole micro-batch for ZeRO-3's gathers) behind which
+  data-parallel communication can hide; the rest of that communication is exposed.
+- ``overlap_slowdown``: seconds an overlapped collective adds to the compute it hides behind,
+  per second hidden (SMs and memory bandwidth taken by the communication kernels).
+- ``p2p_overhead_s``: seconds of one stage-to-stage transfer beyond its bytes, per
+  micro-batch and direction (the send/recv handshake).
+- ``p2p_node_overhead_s``: seconds per transfer per node of the cluster: the stages'
+  synchronisation, which the playbook's runs show growing with the job's size (about 1.3 s
+  per micro-batch of pipeline at 64 nodes, whatever the stages or the micro-batch size).
+- ``memory_reserve_bytes``: device memory no tensor can use (CUDA context, NCCL and cuBLAS
+  workspaces).
+- ``activation_fragmentation``: allocator bytes per live activation byte (the caching
+  allocator's rounding and fragmentation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One free parameter: its bounds, unit and where its default comes from."""
+
+    name: str
+    lower: float
+    upper: float
+    unit: str
+    default_source: str
+    log_scale: bool = False  # fitted in log space (spans orders of magnitude)
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Values of the cost model's free parameters (see the module docstring for each)."""
+
+    framework_efficiency: float = 0.85
+    gemm_half_scale: float = 1.0
+    layer_overhead_s: float = 0.0
+    intra_bw_scale: float = 1.0
+    inter_bw_scale: float = 1.0
+    collective_overhead_s: float = 0.0
+    inter_collective_overhead_s: float = 0.0
+    tp_overlap: float = 1.0
+    dp_overlap: float = 1.0
+    overlap_slowdown: float = 0.0
+    p2p_overhead_s: float = 0.0
+    p2p_node_overhead_s: float = 0.0
+    memory_reserve_bytes: float = 1.5e9
+    activation_fragmentation: float = 1.0
+
+    def __post_init__(self) -> None:
+        for spec in PARAMETERS:
+            value = getattr(self, spec.name)
+            if not isinstance(value, (int, float)) or not spec.lower <= value <= spec.upper:
+                raise ValueError(
+                    f"CostParams.{spec.name}={value!r} is outside its bounds "
+                    f"[{spec.lower:g}, {spec.upper:g}] ({spec.unit}); a fitted profile never "
+                    "leaves them: re-run `autopar calibrate --runs` or fix the value"
+                )
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain dict, one entry per parameter."""
+        return {k: float(v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostParams:
+        """Inverse of `to_dict`; unknown names are an error naming the known ones."""
+        known = {s.name for s in PARAMETERS}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown cost parameters {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**{k: float(v) for k, v in data.items()})
+
+    def replace(self, **values: float) -> CostParams:
+        """A copy with ``values`` changed."""
+        return dataclasses.replace(self, **values)
+
+
+PARAMETERS: tuple[ParamSpec, ...] = (
+    ParamSpec("framework_efficiency", 0.4, 1.0, "fraction",
+              "the playbook's DP=8 run of its 1.34B model over the kernel roofline, 40,150 / "
+              "47,124 tok/s/GPU (session 1)"),
+    ParamSpec("gemm_half_scale", 0.1, 10.0, "x H200 fit", "the H200 GEMM fit itself",
+              log_scale=True),
+    ParamSpec("layer_overhead_s", 0.0, 5e-3, "s per block per micro-batch",
+              "none assumed without measurements"),
+    ParamSpec("intra_bw_scale", 0.2, 1.5, "x nccl-tests busbw", "nccl-tests busbw taken as is"),
+    ParamSpec("inter_bw_scale", 0.05, 1.5, "x nccl-tests busbw", "nccl-tests busbw taken as is",
+              log_scale=True),
+    ParamSpec("collective_overhead_s", 0.0, 5e-3, "s per collective call",
+              "NCCL's latency model alone"),
+    ParamSpec("inter_collective_overhead_s", 0.0, 0.05, "s per collective call",
+              "NCCL's latency model alone"),
+    ParamSpec("tp_overlap", 0.0, 1.0, "fraction of Megatron's TP overlap",
+              "Megatron-LM's overlaps, all of them"),
+    ParamSpec("dp_overlap", 0.0, 1.0, "fraction of the backward",
+              "DDP/FSDP overlap the whole backward"),
+    ParamSpec("overlap_slowdown", 0.0, 1.0, "s per s hidden", "free overlap assumed"),
+    ParamSpec("p2p_overhead_s", 0.0, 0.1, "s per transfer", "none assumed"),
+    ParamSpec("p2p_node_overhead_s", 0.0, 0.05, "s per transfer per node", "none assumed"),
+    ParamSpec("memory_reserve_bytes", 0.5e9, 4e9, "bytes",
+              "the playbook: 1-2 GB per GPU for the CUDA context and kernels (the middle)"),
+    ParamSpec("activation_fragmentation", 1.0, 1.6, "bytes per live byte", "no fragmentation"),
+)
+TIME_PARAMETERS = tuple(s.name for s in PARAMETERS
+                        if s.name not in ("memory_reserve_bytes", "activation_fragmentation"))
+MEMORY_PARAMETERS = ("memory_reserve_bytes", "activation_fragmentation")
+SPECS = {s.name: s for s in PARAMETERS}

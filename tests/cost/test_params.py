@@ -1,0 +1,90 @@
+"""The cost model's free parameters: bounded, carried by the cluster, loaded from profiles, and
+each one moves the prediction the way its docstring says."""
+
+import json
+
+import pytest
+
+from cost.cluster import H100_EFA_FIT, Cluster
+from cost.comm import Group, bus_bandwidth, collective_time
+from cost.layout import Layout
+from cost.params import PARAMETERS, CostParams
+from cost.profile import CostProfile, coverage_notes, load_profile, save_profile
+from cost.step import predict
+
+
+def test_params_are_bounded_and_round_trip():
+    with pytest.raises(ValueError, match="outside its bounds"):
+        CostParams(framework_efficiency=1.2)
+    with pytest.raises(ValueError, match="unknown cost parameters"):
+        CostParams.from_dict({"speed": 2})
+    p = CostParams(inter_bw_scale=0.5)
+    assert CostParams.from_dict(p.to_dict()) == p
+    for spec in PARAMETERS:  # every default inside its own bounds, with a named source
+        assert spec.lower <= getattr(CostParams(), spec.name) <= spec.upper
+        assert spec.default_source and spec.unit
+
+
+def test_the_shipped_h100_efa_profile_is_the_fit(tmp_path):
+    profile = load_profile(H100_EFA_FIT)
+    assert profile.base == "h100-efa" and profile.fit["runs"] > 1000
+    assert Cluster("h100-efa", nodes=8).params == profile.params
+    assert Cluster("h100", nodes=8).params == CostParams()  # parametric profiles: defaults
+    assert set(profile.fit["coverage"]["zero"]) == {0, 1}
+    assert json.loads(H100_EFA_FIT.read_text())["fit"]["sample"].startswith("in-sample")
+
+
+def test_from_profile_and_its_errors(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(CostProfile("h100", CostParams(framework_efficiency=0.6),
+                             {"coverage": {"zero": [0]}}), path)
+    c = Cluster.from_profile(path, nodes=4)
+    assert c.nodes == 4 and c.params.framework_efficiency == 0.6
+    assert c.fit_coverage == {"zero": [0]}
+    assert Cluster.from_dict(c.to_dict()).params == c.params
+    with pytest.raises(FileNotFoundError, match="autopar calibrate"):
+        Cluster.from_profile(tmp_path / "none.json")
+    path.write_text('{"kind": "something else"}')
+    with pytest.raises(ValueError, match="not an autopar cost profile"):
+        Cluster.from_profile(path)
+
+
+def test_coverage_notes_name_what_the_data_cannot_judge():
+    cov = {"zero": [0, 1], "recompute": ["none"], "schedule": ["1f1b"]}
+    notes = coverage_notes(Layout(dp=8, zero=3, recompute="full"), cov)
+    assert len(notes) == 2 and "zero=3" in notes[0] and "recompute='full'" in notes[1]
+    assert coverage_notes(Layout(dp=8, zero=1), cov) == []
+    assert coverage_notes(Layout(dp=8, zero=3), None) == []
+
+
+def test_collective_params_move_step_collectives_not_nccl_tests():
+    base = Cluster("h100", nodes=2)
+    slow = Cluster("h100", nodes=2, params=CostParams(inter_bw_scale=0.5,
+                                                      inter_collective_overhead_s=1e-3))
+    group = Group(16, 8)
+    t0 = collective_time("all_reduce", 2**28, group, base)
+    t1 = collective_time("all_reduce", 2**28, group, slow)
+    assert t1 > 1.9 * t0 - 1e-3 and t1 > t0 + 1e-3
+    # nccl-tests' view of the links is the same: the parameters are what a training step sees
+    assert bus_bandwidth("all_reduce", group, slow) == bus_bandwidth("all_reduce", group, base)
+
+
+def test_each_time_parameter_moves_the_step(llama_step):
+    facts = llama_step[3].facts()
+    lay = Layout(dp=4, tp=2, pp=2, sp=True, zero=1, microbatch=2, grad_accum=2)
+    base = predict(facts, Cluster("h100", nodes=2), lay)
+
+    def step(**kw):
+        return predict(facts, Cluster("h100", nodes=2, params=CostParams(**kw)), lay)
+
+    assert step(framework_efficiency=0.5).time_breakdown["compute_s"] == pytest.approx(
+        base.time_breakdown["compute_s"] * 0.85 / 0.5)
+    # one block per stage, m = 2 micro-batches and one bubble slot
+    assert step(layer_overhead_s=1e-3).step_time_s > base.step_time_s + 2.9e-3
+    # two transfers per micro-batch of 1e-2 s per node of the 2-node cluster
+    assert step(p2p_node_overhead_s=1e-2).time_breakdown["pp_p2p_s"] == pytest.approx(
+        base.time_breakdown["pp_p2p_s"] + 2 * 2 * 2e-2, rel=1e-6)
+    assert step(tp_overlap=0.0).time_breakdown["tp_comm_s"] >= base.time_breakdown["tp_comm_s"]
+    mem = step(memory_reserve_bytes=3e9, activation_fragmentation=1.5).memory_breakdown
+    assert mem["reserve"] == 3e9
+    assert mem["activations"] == pytest.approx(1.5 * base.memory_breakdown["activations"])
