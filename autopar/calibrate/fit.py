@@ -32,12 +32,12 @@ from autopar.calibrate.runs import Priced, Run, RunPricer, read_runs, skipped_no
 from cost.params import MEMORY_PARAMETERS, SPECS, TIME_PARAMETERS, CostParams
 from cost.profile import COVERAGE_FIELDS, CostProfile, save_profile
 
-FAILED_WEIGHT = 0.3
+FAILED_WEIGHT = 0.3  # a failed run predicted to fit: weaker evidence than a measured peak
 # soft-L1 loss: a residual beyond 0.1 (10 % in throughput) weighs linearly, not squared, so a
 # cell's pathological runs (1.3 s stalls per micro-batch) pull less on the rest. A Cauchy loss
 # with weights favouring each cell's fast runs was tried (session 5): the same regret and
 # Spearman, so the simpler loss stays
-TIME_LOSS = "soft_l1"  # a failed run predicted to fit: weaker evidence than a measured peak
+TIME_LOSS = "soft_l1"
 # finite-difference step in the fitted (scaled) coordinates: large enough to see past the
 # model's kinks (max() of overlaps, micro-batch rounding), small enough to stay local
 DIFF_STEP = 1e-2
