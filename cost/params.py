@@ -31,9 +31,10 @@ The parameters (bounds in `PARAMETERS`; the fit never leaves them):
   per second hidden (SMs and memory bandwidth taken by the communication kernels).
 - ``p2p_overhead_s``: seconds of one stage-to-stage transfer beyond its bytes, per
   micro-batch and direction (the send/recv handshake).
-- ``p2p_node_overhead_s``: seconds per transfer per node of the cluster: the stages'
-  synchronisation, which the playbook's runs show growing with the job's size (about 1.3 s
-  per micro-batch of pipeline at 64 nodes, whatever the stages or the micro-batch size).
+- ``p2p_node_overhead_s``: seconds per transfer per node of the cluster beyond the first: the
+  stages' synchronisation with the rest of the job, which the playbook's runs show growing
+  with its size (about 1.3 s per micro-batch of pipeline at 64 nodes, whatever the stages or
+  the micro-batch size; nothing on one node).
 - ``memory_reserve_bytes``: device memory no tensor can use (CUDA context, NCCL and cuBLAS
   workspaces).
 - ``activation_fragmentation``: allocator bytes per live activation byte (the caching

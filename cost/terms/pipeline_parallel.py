@@ -16,15 +16,15 @@ def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> f
     stages sit tp*cp ranks apart (playbook rank order: TP innermost, then CP, PP, DP), so a
     pipeline of tp*cp*pp ranks wider than a node has a boundary that crosses nodes, and that
     boundary gates every micro-batch. Each transfer also pays `CostParams.p2p_overhead_s`
-    plus `p2p_node_overhead_s` per node of the cluster: the handshake and the stages'
-    synchronisation."""
+    plus `p2p_node_overhead_s` per node of the cluster beyond the first: the handshake and the
+    stages' synchronisation with the rest of the job."""
     if lay.pp == 1:
         return 0.0
     boundary = facts.block_input_bytes * scale / lay.cp / (lay.tp if lay.sp else 1)
     crosses = lay.tp * lay.cp * lay.pp > cluster.gpus_per_node
     pair = Group(2, 1 if crosses else 2)
     params = cluster.params
-    overhead = params.p2p_overhead_s + params.p2p_node_overhead_s * cluster.nodes
+    overhead = params.p2p_overhead_s + params.p2p_node_overhead_s * (cluster.nodes - 1)
     return collective_time("send_recv", boundary, pair, cluster) + overhead
 
 
