@@ -35,9 +35,9 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     whole gradients with an all-reduce once per step, after the last micro-batch (DDP's
     no_sync); ZeRO-1/2 reduce-scatter them (`zero_reduction`), ZeRO-2/3 every micro-batch
     (FSDP's default: gradients stay sharded), in 25 MiB buckets (`bucketed`), and ZeRO-1/2
-    all-gather the updated weights once
-    per step, block by block, after the optimizer (exposed). ZeRO-3 gathers every block's
-    weights for the forward and the backward of every micro-batch, prefetched one block ahead.
+    all-gather the updated weights once per step, block by block, after the optimizer
+    (exposed). ZeRO-3 gathers every block's weights for the forward and the backward of every
+    micro-batch, prefetched one block ahead.
 
     One budget of compute hides everything, counted once: the reductions hide behind the
     slowest stage's backward (and recompute) that the TP collectives do not already occupy
