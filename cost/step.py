@@ -39,9 +39,7 @@ from cost.terms.common import (
     block_params,
     comm_overlap,
     default_precision,
-    params_per_stage,
     resolved,
-    stage_of,
     zero_reduction,
 )
 from cost.terms.compute import (
@@ -50,7 +48,9 @@ from cost.terms.compute import (
     compute_per_stage,
     host_overhead_per_stage,
     node_times,
+    params_per_stage,
     recompute_per_stage,
+    stage_of,
     step_node_times,
 )
 from cost.terms.context_parallel import cp_exposed
@@ -170,7 +170,7 @@ def stage_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[Mem
     layout = resolved(facts, cluster, layout)
     n_layers = max(facts.n_layers, 1)
     rec = recipe(layout.precision, layout.fp32_grad_accum)
-    params_stage = params_per_stage(facts, layout, n_layers)
+    params_stage = params_per_stage(facts, cluster, layout)
     return _memory(facts, cluster, layout, rec, params_stage, layout.microbatch / facts.batch, n_layers)
 
 
@@ -195,9 +195,9 @@ def predict(
 
     # ---- per stage, one micro-batch
     times = step_node_times(facts, cluster, lay)
-    fwd, bwd = compute_per_stage(facts, lay, times)
+    fwd, bwd = compute_per_stage(facts, cluster, lay, times)
     host = host_overhead_per_stage(facts, cluster, lay)
-    recomp = recompute_per_stage(facts, lay, times)
+    recomp = recompute_per_stage(facts, cluster, lay, times)
     tp_comm, tp_hidden_fwd, tp_hidden_bwd = tp_comm_terms(facts, cluster, lay, times, scale,
                                                           n_layers, pp)
     cp_comm = cp_exposed(facts, cluster, lay, times, scale)
@@ -207,7 +207,7 @@ def predict(
 
     # ---- the step: pipeline, data-parallel sync, optimizer
     pipe_total, bubble = pipeline_time(float(stage_time[slowest]), p2p_time(facts, cluster, lay, scale), lay)
-    params_stage = params_per_stage(facts, lay, n_layers)
+    params_stage = params_per_stage(facts, cluster, lay)
     worst_params = float(params_stage.max())
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),
                                    float(bwd[slowest]), float(recomp[slowest]),
@@ -261,7 +261,7 @@ def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[Mem
     # (`SavedTable.kept`: autograd's saved values without recompute; with it, the values the
     # pass does not rebuild and the roots its chains start from, block inputs included)
     keep = saved.kept(lay.recompute)
-    stage = stage_of(saved.layer, n_layers, pp)
+    stage = stage_of(facts, saved.layer, cluster, lay)
     # the caching allocator holds more than the live bytes (`CostParams.activation_fragmentation`)
     local = local * cluster.params.activation_fragmentation
     per_stage = np.bincount(stage, weights=local * keep, minlength=pp)

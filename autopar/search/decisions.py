@@ -24,7 +24,7 @@ def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
     return PlanDecisions(
         layout=layout,
         params=params,
-        stages=_stages(facts, layout),
+        stages=_stages(facts, cluster, layout),
         recompute=_recomputed(facts, layout),
         fp8=_fp8_weights(facts, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter"),
@@ -57,10 +57,10 @@ def _param_plan(facts: StepFacts, layout: Layout, name: str) -> ParamPlan:
                      fused_parts=parts)
 
 
-def _stages(facts: StepFacts, layout: Layout) -> list[tuple[int, int]]:
-    """Blocks of each pipeline stage, as the cost model splits them (evenly)."""
+def _stages(facts: StepFacts, cluster, layout: Layout) -> list[tuple[int, int]]:
+    """Blocks of each pipeline stage, as the cost model cuts them (balanced: `cost.stages`)."""
     n = max(facts.n_layers, 1)
-    of = stage_of(np.arange(n), n, layout.pp)
+    of = stage_of(facts, np.arange(n), cluster, layout)
     out = []
     for s in range(layout.pp):
         blocks = np.flatnonzero(of == s)

@@ -3,8 +3,6 @@ and the parameters each pipeline stage holds."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from cost.cluster import Cluster
 from cost.layout import Layout
 from cost.step_facts import StepFacts
@@ -37,28 +35,6 @@ def zero_reduction(cluster: Cluster) -> str:
     """The collective that reduces ZeRO's gradients: reduce-scatter, except on CPU ranks, where
     the runtime all-reduces (gloo's reduce-scatter is no faster: passes/data_parallel.py)."""
     return "all_reduce" if cluster.gpu.is_cpu else "reduce_scatter"
-
-
-def stage_of(layer: np.ndarray, n_layers: int, pp: int) -> np.ndarray:
-    """Even split of the blocks over pp stages; pre-block nodes on stage 0, post on the last."""
-    clipped = np.clip(layer, 0, n_layers - 1)
-    return np.minimum(clipped * pp // n_layers, pp - 1).astype(int)
-
-
-def params_per_stage(facts: StepFacts, lay: Layout, n_layers: int) -> np.ndarray:
-    """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
-    key = ("stage_params", lay.tp, lay.ep, lay.pp)
-    if key not in facts._memo:
-        params = facts.params
-        out = np.zeros(lay.pp)
-        for name, numel in params.numel.items():
-            local = numel / (lay.tp if params.tp_sharded[name] else 1)
-            local /= lay.ep if params.expert[name] else 1
-            stages = set(stage_of(np.array(params.stages_layer[name]), n_layers, lay.pp).tolist())
-            for s in stages:  # a tied embedding lives on the first and the last stage
-                out[s] += local
-        facts._memo[key] = out
-    return facts._memo[key]
 
 
 def block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:

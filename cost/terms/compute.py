@@ -9,8 +9,9 @@ from cost.cluster import Cluster
 from cost.compute import gemm_efficiency
 from cost.hardware import GPUSpec
 from cost.layout import Layout
+from cost.stages import balanced_cuts
 from cost.step_facts import StepFacts
-from cost.terms.common import resolved, stage_of
+from cost.terms.common import resolved
 
 # A training framework reaches less than the sum of its kernels' times: host overhead between
 # kernels, gradient clipping, data loading, stragglers. The default of
@@ -57,11 +58,15 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
     Memoised per (cluster, tp, cp, sp, micro-batch, precision): the search re-uses it.
     """
     layout = resolved(facts, cluster, layout)
-    key = ("times", cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
-           layout.tp, layout.cp, layout.sp, layout.microbatch, layout.precision, facts.batch)
+    key = _times_key(facts, cluster, layout)
     if key not in facts._memo:
         facts._memo[key] = _node_times(facts, cluster, layout)
     return facts._memo[key]
+
+
+def _times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
+    return ("times", cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
+            layout.tp, layout.cp, layout.sp, layout.microbatch, layout.precision, facts.batch)
 
 
 def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -94,25 +99,71 @@ def host_overhead_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout) 
     """Host seconds of each stage for one micro-batch: `CostParams.layer_overhead_s` per block
     it runs (forward and backward together)."""
     n_layers = max(facts.n_layers, 1)
-    blocks = np.bincount(stage_of(np.arange(n_layers), n_layers, layout.pp), minlength=layout.pp)
+    blocks = np.bincount(stage_of(facts, np.arange(n_layers), cluster, layout),
+                         minlength=layout.pp)
     return blocks * cluster.params.layer_overhead_s
 
 
-def node_stages(facts: StepFacts, layout: Layout) -> np.ndarray:
+def slot_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """Stage of every slot (index = block index + 1: 0 before the blocks, L + 1 after): the
+    contiguous cut of `cost.stages.balanced_cuts` on each slot's step seconds for one
+    micro-batch under ``layout`` (memoised with the node times)."""
+    layout = resolved(facts, cluster, layout)
+    n_layers = max(facts.n_layers, 0)
+    key = ("stage_map", layout.pp, *_times_key(facts, cluster, layout))
+    if key not in facts._memo:
+        if n_layers == 0 or layout.pp == 1:
+            facts._memo[key] = np.zeros(n_layers + 2, dtype=int)
+        else:
+            slot = np.clip(facts.nodes.layer, -1, n_layers) + 1
+            cost = np.bincount(slot, weights=node_times(facts, cluster, layout),
+                               minlength=n_layers + 2)
+            blocks = balanced_cuts(cost[1:n_layers + 1], layout.pp, float(cost[0]),
+                                   float(cost[-1]))
+            facts._memo[key] = np.concatenate([[0], blocks, [layout.pp - 1]]).astype(int)
+    return facts._memo[key]
+
+
+def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """The pipeline stage of each block index in ``layer`` (-1 before the blocks, L after)."""
+    if layout.pp == 1:
+        return np.zeros(np.shape(layer), dtype=int)
+    return slot_stages(facts, cluster, layout)[np.clip(layer, -1, max(facts.n_layers, 0)) + 1]
+
+
+def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
+    """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
+    key = ("stage_params", lay.tp, lay.ep, lay.pp,
+           tuple(slot_stages(facts, cluster, lay).tolist()))
+    if key not in facts._memo:
+        params = facts.params
+        out = np.zeros(lay.pp)
+        for name, numel in params.numel.items():
+            local = numel / (lay.tp if params.tp_sharded[name] else 1)
+            local /= lay.ep if params.expert[name] else 1
+            layers = np.array(params.stages_layer[name])
+            for s in set(stage_of(facts, layers, cluster, lay).tolist()):
+                out[s] += local  # a tied embedding lives on the first and the last stage
+        facts._memo[key] = out
+    return facts._memo[key]
+
+
+def node_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     """The pipeline stage of every node."""
-    return stage_of(facts.nodes.layer, max(facts.n_layers, 1), layout.pp)
+    return stage_of(facts, facts.nodes.layer, cluster, layout)
 
 
-def compute_per_stage(facts: StepFacts, layout: Layout, times: np.ndarray
+def compute_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout, times: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds of each pipeline stage for one micro-batch."""
-    stage, fwd = node_stages(facts, layout), facts.nodes.forward
+    stage, fwd = node_stages(facts, cluster, layout), facts.nodes.forward
     pp = layout.pp
     return (np.bincount(stage, weights=times * fwd, minlength=pp),
             np.bincount(stage, weights=times * ~fwd, minlength=pp))
 
 
-def recompute_per_stage(facts: StepFacts, layout: Layout, times: np.ndarray) -> np.ndarray:
+def recompute_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout, times: np.ndarray
+                        ) -> np.ndarray:
     """Seconds of each stage's recomputed forward for one micro-batch: the nodes the recompute
     pass copies into the backward under the layout's mode (`NodeTable.rerun_full` /
     `rerun_selective`: full reruns the blocks' forward but what it keeps, selective the
@@ -124,4 +175,4 @@ def recompute_per_stage(facts: StepFacts, layout: Layout, times: np.ndarray) -> 
         rerun = n.rerun_selective
     else:
         return np.zeros(pp)
-    return np.bincount(node_stages(facts, layout), weights=times * rerun, minlength=pp)
+    return np.bincount(node_stages(facts, cluster, layout), weights=times * rerun, minlength=pp)

@@ -36,5 +36,5 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     comm = 3 * (cp - 1) * step  # forward: cp-1 steps of K,V; backward: K,V again plus dK,dV
     att_time = times[att] * ATTENTION_FWD_BWD_OVER_FWD
     exposed = np.maximum(0.0, comm - att_time)
-    np.add.at(exposed_per_stage, node_stages(facts, lay)[att], exposed)
+    np.add.at(exposed_per_stage, node_stages(facts, cluster, lay)[att], exposed)
     return exposed_per_stage

@@ -8,7 +8,7 @@ from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
 from cost.layout import Layout
 from cost.step_facts import StepFacts
-from cost.terms.common import stage_of
+from cost.terms.compute import stage_of
 
 
 def ep_comm(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> np.ndarray:
@@ -19,7 +19,7 @@ def ep_comm(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> np
     ep group (`axis_group(cluster, ep, tp)`), in the forward and again in the backward; not
     overlapped (the experts wait for their tokens).
     """
-    pp, n_layers = lay.pp, max(facts.n_layers, 1)
+    pp = lay.pp
     out = np.zeros(pp)
     if lay.ep == 1:
         return out
@@ -28,5 +28,5 @@ def ep_comm(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> np
         if nb > 0:
             local = float(nb) * scale / lay.cp / (lay.tp if lay.sp else 1)
             t = 2 * collective_time("all_to_all", local, group, cluster)  # fwd + bwd
-            out[stage_of(np.array([layer_index - 1]), n_layers, pp)[0]] += t
+            out[stage_of(facts, np.array([layer_index - 1]), cluster, lay)[0]] += t
     return out

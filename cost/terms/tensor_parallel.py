@@ -19,7 +19,8 @@ from cost.cluster import Cluster
 from cost.comm import Group, axis_group, collective_time
 from cost.layout import Layout
 from cost.step_facts import StepFacts
-from cost.terms.common import comm_overlap, stage_of
+from cost.terms.common import comm_overlap
+from cost.terms.compute import stage_of
 
 
 def tp_group(cluster: Cluster, tp: int) -> Group:
@@ -110,7 +111,7 @@ def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):
                                     cluster.params.overlap_slowdown)
     exposed += tp_small_collectives(facts, cluster, lay, scale, n_layers, group)
     hidden_fwd, hidden_bwd = hidden_by_overlap(g, r, hide_g, hide_r, overlap)
-    slot_stage = stage_of(np.arange(slots) - 1, n_layers, pp)
+    slot_stage = stage_of(facts, np.arange(slots) - 1, cluster, lay)
     return tuple(np.bincount(slot_stage, weights=w, minlength=pp)
                  for w in (exposed, hidden_fwd, hidden_bwd))
 

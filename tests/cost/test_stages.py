@@ -1,0 +1,73 @@
+"""Pipeline cuts: the balanced contiguous split is exact (equals brute force), keeps the even
+split when the blocks are equal, and moves blocks off a heavy last stage."""
+
+import dataclasses
+import itertools
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar import models
+from autopar.search.step import captured_step
+from cost import Cluster, Layout
+from cost.stages import balanced_cuts
+from cost.step import predict
+from cost.terms.compute import slot_stages
+
+
+def _brute_force(cost, pp, before, after):
+    n = len(cost)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = (0, *cuts, n)
+        stages = [sum(cost[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stages[0] += before
+        stages[-1] += after
+        best = min(best, max(stages))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.floats(0.1, 10.0), min_size=1, max_size=7), st.data(),
+       st.floats(0.0, 20.0), st.floats(0.0, 20.0))
+def test_balanced_cuts_equal_brute_force(cost, data, before, after):
+    pp = data.draw(st.integers(1, len(cost)))
+    stages = balanced_cuts(np.array(cost), pp, before, after)
+    assert list(stages) == sorted(stages) and set(stages) == set(range(pp))  # contiguous, none empty
+    per = np.bincount(stages, weights=cost, minlength=pp)
+    per[0] += before
+    per[-1] += after
+    assert per.max() <= _brute_force(cost, pp, before, after) * (1 + 1e-9)
+
+
+def test_equal_blocks_keep_the_even_split():
+    assert list(balanced_cuts(np.ones(8), 4)) == [0, 0, 1, 1, 2, 2, 3, 3]
+    heavy_head = balanced_cuts(np.ones(8), 4, after=3.0)
+    assert np.bincount(heavy_head)[-1] == 1  # 3 + 1 on the last stage, 2 or 3 on the others
+
+
+def test_a_heavy_head_gets_a_short_last_stage():
+    """A large vocabulary: the head and loss weigh about two blocks, so the last stage holds
+    fewer blocks than a middle one, and the step is shorter than the even split's (the cut
+    weighs each block by its step seconds, kernel floors and memory-bound ops included)."""
+    cfg = dataclasses.replace(models.config("llama3-8b"), n_layers=8, hidden=512, n_heads=8,
+                              n_kv_heads=8, ffn=1536, vocab=131072)
+    model = models.build(cfg, device="meta", dtype=torch.bfloat16)
+    step = captured_step(model, models.example_inputs(cfg, batch=8, seq=1024, device="meta"), None,
+                         torch.bfloat16)
+    facts = step.facts()
+    cluster = Cluster("h100", nodes=1, gpus_per_node=4)
+    lay = Layout(pp=4, microbatch=1, grad_accum=8, precision="bf16")
+    stages = slot_stages(facts, cluster, lay)
+    blocks = np.bincount(stages[1:-1], minlength=4)
+    assert blocks[-1] < blocks[1] and blocks.sum() == 8
+    balanced = predict(facts, cluster, lay)
+    assert balanced.time_breakdown["compute_s"] > 0
+    even_map = np.array([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])  # the even split
+    key = next(k for k in facts._memo if k[0] == "stage_map")
+    facts._memo[key] = even_map
+    facts._memo = {k: v for k, v in facts._memo.items() if k[0] != "stage_params"}
+    even = predict(facts, cluster, lay)
+    assert balanced.step_time_s < even.step_time_s
