@@ -140,7 +140,30 @@ _SECONDARY_ERROR_MARKERS = (
     "connection reset",
     "broken pipe",
     "timed out waiting",  # gloo: a peer never joined the collective
+    "connection was likely closed",  # the TCPStore: "did the remote worker crash or hang?"
+    "remote worker",
 )
+# When every report is such a symptom, a peer that died without reporting is the root cause;
+# under load its exit can land a moment after the symptom: wait this long for it.
+_PEER_EXIT_WAIT_S = 3.0
+
+
+def _is_secondary(text: str) -> bool:
+    low = text.lower()
+    return any(m in low for m in _SECONDARY_ERROR_MARKERS)
+
+
+def _dead_peer(procs, ranks: list[int], wait_s: float) -> int | None:
+    """The first of ``ranks`` that exits with a failure within ``wait_s`` seconds, if any."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for r in ranks:
+            code = procs[r].exitcode
+            if code is not None and code != 0:
+                return r
+        if time.monotonic() >= deadline:
+            return None
+        wait([procs[r].sentinel for r in ranks], timeout=0.1)
 
 
 def _root_cause(errors: list[tuple[int, str, str, str]]) -> tuple[int, str, str, str]:
@@ -410,6 +433,13 @@ def _launch_once(
                 rank, phase, text, summary = _root_cause(errors)
                 if phase == "init" and _is_address_in_use(text):
                     raise _AddressInUse(text)
+                if _is_secondary(text):
+                    reported = {e[0] for e in errors}
+                    quiet = [r for r in pending if r not in results and r not in reported]
+                    dead = _dead_peer(procs, quiet, _PEER_EXIT_WAIT_S) if quiet else None
+                    if dead is not None:
+                        code = procs[dead].exitcode
+                        raise RankFailedError(dead, _describe_death(code), code)
                 raise RankFailedError(rank, text, summary=summary)
             for r in pending:
                 if r not in results and procs[r].exitcode is not None:
