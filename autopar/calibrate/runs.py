@@ -207,9 +207,10 @@ class RunPricer:
         if nodes not in self._clusters:
             self._clusters[nodes] = Cluster(self.cluster_name, nodes=nodes,
                                             gpus_per_node=self.gpus_per_node)
+            self._profile_params = self._clusters[nodes].params
         c = self._clusters[nodes]
-        if params is not None:
-            c.params = params
+        # every call says which parameters it prices with: never the last caller's
+        c.params = params if params is not None else self._profile_params
         return c
 
     def facts(self, run: Run) -> StepFacts:
