@@ -14,7 +14,9 @@ A parameter whose first dimension does not divide by n keeps DP treatment (repli
 gradient all-reduced). Collectives are bucketed as DDP does (the first bucket 1 MiB, so that
 communication starts early in the backward, the others about 25 MiB, in the order the backward
 produces the gradients): a bucket's reduction is issued right after its last gradient
-is computed and waited for only at the end of the step, so it overlaps the rest of the backward.
+is computed, so it overlaps the rest of the backward; a whole gradient's (DP) is waited for at
+the end of the step, a sharded one's (ZeRO-2/3) when the next bucket is issued, so that only
+one unreduced bucket is alive beside the one being filled.
 For a reduce-scatter bucket each gradient is viewed as [n, numel/n] and the views concatenated
 along dim 1, so rank i's part of the bucket is exactly its rows of every gradient (on gloo the
 bucket is all-reduced and rank i keeps row i: see ``reduce_scatter``). ZeRO-3
@@ -32,6 +34,7 @@ import torch
 from torch import fx
 
 from cost.plan_types import LOSS, AxisGroup, CommPlan, DataParallelPlan, GraphSignature
+from passes.token_count import WEIGHTS_LOSS
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -104,12 +107,16 @@ def apply_data_parallel(
     with graph.inserting_after(last_input):
         scaled = _node(graph, aten.mul.Tensor, (nodes[seed], 1.0 / n),
                        f"DP: seed gradient / {n}, so that the summed gradients are the mean")
-    nodes[seed].replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    # the backward reads the scaled seed; the reported loss's weight stays (averaged below)
+    nodes[seed].replace_all_uses_with(
+        scaled, delete_user_cb=lambda user: user is not scaled and not user.meta.get(WEIGHTS_LOSS))
     outs = list(output.args[0])
 
     # weights: the graph input becomes rank i's rows; gather them before use
     order = sorted(sharded, key=lambda p: list(params).index(p))
     shards = {p: nodes[params[p]] for p in order}
+    if zero == 3:
+        _unshare_weight_views(graph, shards.values())
     if zero:
         _gather_per_block(graph, order, shards, n, group_name, zero, plan.comm)
     for name in order:
@@ -130,8 +137,16 @@ def apply_data_parallel(
             total = _node(graph, aten.add.Tensor, (present[name], acc))
         total.meta["val"] = present[name].meta["val"]
         present[name] = total
-    for bucket in _buckets(graph, present, sharded, plan.comm):
-        reduced = _reduce_bucket(graph, bucket, present, sharded, zero, n, group_name, output, rank,
+    buckets = _buckets(graph, present, sharded, plan.comm)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    lasts = [max((present[name] for name in b), key=order.__getitem__) for b in buckets]
+    for k, bucket in enumerate(buckets):
+        # a sharded bucket's whole, unreduced buffer is freed at its wait: wait for it when the
+        # next bucket is issued (one in flight, as FSDP does), or ZeRO-2/3 would hold every
+        # gradient whole until the end of the step; a whole (DP) gradient is kept anyway
+        later = [lasts[j] for j in range(k + 1, len(buckets)) if order[lasts[j]] > order[lasts[k]]]
+        wait_at = later[0].next if bucket[0] in sharded and later else output
+        reduced = _reduce_bucket(graph, bucket, present, sharded, zero, n, group_name, wait_at, rank,
                                  reduce_scatter)
         for name, value in reduced.items():
             outs[grads[name]] = value
@@ -217,6 +232,44 @@ def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.No
                            f"ZeRO-{zero}: gather {block[0]} for the {phase}")
 
 
+# ops that only re-view (or cast) a weight: the forward's t(W) that the backward reads again
+_WEIGHT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
+                 aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                 aten.unsqueeze.default, aten.alias.default, aten.detach.default, aten._to_copy.default}
+
+
+def _unshare_weight_views(graph: fx.Graph, weights) -> None:
+    """Give the backward its own views of each weight (ZeRO-3).
+
+    AOTAutograd's backward reads the forward's ``t(W)`` (the linear's transpose) for the input
+    gradient: left so, the forward's gathered whole weight would live until the backward, and
+    every block's whole weights would be alive at the end of the forward. The view chain is
+    copied into the backward, before its first backward reader, so the backward's reads come
+    from the backward's own gather of W and the forward's copy dies after the forward.
+    """
+    for weight in weights:
+        chain = [u for u in weight.users if u.target in _WEIGHT_VIEWS and not _is_backward(u)]
+        while chain:
+            view = chain.pop()
+            chain.extend(u for u in view.users if u.target in _WEIGHT_VIEWS and not _is_backward(u))
+            readers = [u for u in view.users if _is_backward(u)]
+            if not readers:
+                continue
+            position = {node: i for i, node in enumerate(graph.nodes)}
+            first = min(readers, key=position.__getitem__)
+            path = [view]  # view <- ... <- weight, the ops to replay
+            while path[-1].args[0] is not weight:
+                path.append(path[-1].args[0])
+            env = {weight: weight}
+            with graph.inserting_before(first):
+                for node in reversed(path):
+                    copy = graph.node_copy(node, lambda a, env=env: env.get(a, a))
+                    copy.meta = {**node.meta, "partitioner_tag": "is_backward"}
+                    env[node] = copy
+            for reader in readers:
+                reader.replace_input_with(view, env[view])
+
+
 def gather_groups(weights: dict[str, torch.Tensor],
                   bucket_bytes: int = BUCKET_BYTES) -> dict[str, tuple[str, torch.dtype]]:
     """The group each weight is gathered with (ZeRO): its block and dtype (a concatenation must
@@ -278,9 +331,9 @@ def _gather_bucket(graph: fx.Graph, bucket: list[str], shards: dict[str, fx.Node
 
 
 def _reduce_bucket(graph: fx.Graph, bucket: list[str], grads: dict[str, fx.Node], sharded: set[str],
-                   zero: int, n: int, group_name: str, output: fx.Node, rank: int,
+                   zero: int, n: int, group_name: str, wait_at: fx.Node, rank: int,
                    reduce_scatter: bool) -> dict[str, fx.Node]:
-    """One collective for the bucket, issued after its last gradient, waited at the end."""
+    """One collective for the bucket, issued after its last gradient, waited before ``wait_at``."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     last = max((grads[name] for name in bucket), key=order.__getitem__)
     scatter = bucket[0] in sharded
@@ -308,7 +361,7 @@ def _reduce_bucket(graph: fx.Graph, bucket: list[str], grads: dict[str, fx.Node]
             op = c10d.all_reduce_.default if inplace else c10d.all_reduce.default
             issued = _node(graph, op, (flat, "sum", group_name),
                            f"DP: all-reduce the gradients of {what} (one bucket)")
-    with graph.inserting_before(output):  # wait as late as possible: the backward overlaps it
+    with graph.inserting_before(wait_at):  # as late as allowed: the backward overlaps it
         done = _node(graph, c10d.wait_tensor.default, (issued,), issued.meta["autopar"])
         if scatter and not reduce_scatter:  # the whole bucket, [n, rows of each]: keep ours
             # (a copy, so that the whole bucket is freed: ZeRO-2/3 keep 1/n of the gradients)

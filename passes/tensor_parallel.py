@@ -411,18 +411,29 @@ def _register_cpu_attention() -> None:
         return
     _ATTENTION_REGISTERED = True
 
+    def mask(attn_mask, placement):
+        # an explicit mask (transformers' causal mask under tracing) is [b or 1, h or 1, s, s]:
+        # it follows the batch / head split where it has that dim, else it is broadcast whole
+        if attn_mask is None:
+            return []
+        return [placement if attn_mask.shape[placement.dim] > 1 else Replicate()] if isinstance(
+            placement, Shard) else [placement]
+
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
     def _attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        out = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None])]
+        out = [([Replicate(), Replicate()],
+                [Replicate(), Replicate(), Replicate(), None, None, *mask(attn_mask, Replicate())])]
         for dim in (0, 1):  # batch, heads
-            out.append(([Shard(dim), Shard(dim)], [Shard(dim), Shard(dim), Shard(dim), None, None]))
+            out.append(([Shard(dim), Shard(dim)],
+                        [Shard(dim), Shard(dim), Shard(dim), None, None, *mask(attn_mask, Shard(dim))]))
         return out
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
     def _attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                             attn_mask=None, scale=None):
-        rep = [Replicate()] * 6 + [None, None]
+        rep = [Replicate()] * 6 + [None, None, *mask(attn_mask, Replicate())]
         strategies = [([Replicate()] * 3, rep)]
         for dim in (0, 1):
-            strategies.append(([Shard(dim)] * 3, [Shard(dim)] * 6 + [None, None]))
+            strategies.append(([Shard(dim)] * 3,
+                               [Shard(dim)] * 6 + [None, None, *mask(attn_mask, Shard(dim))]))
         return strategies

@@ -9,8 +9,12 @@ shards and the gradients are wrapped back with the same placements.
 Gradient accumulation: with ``micro_batches`` m > 1 the graph was captured for one micro-batch
 and runs m times on the rank's batch, one slice after another, so only one micro-batch's
 activations live at a time. The loss's seed gradient is 1/m, so the summed gradients are those
-of the mean loss over the rank's batch; the reported loss is the mean of the m losses. (The
-loss is taken to be a mean over the batch, as data parallelism assumes too.) With an
+of the mean loss over the rank's batch. Where the loss is a mean over valid tokens (labels
+-100 ignored) the seed is instead d * n_k / N, micro-batch k's share of the step's N valid
+tokens over all d data-parallel ranks (`passes.token_count`; N is summed with one all-reduce),
+so that padding spread unevenly trains as on one device. The graph returns its loss weighted
+by the seed (`weight_loss_by_seed`), and the reported loss is the sum of the m weighted losses:
+the mean of the step, either way. With an
 ``accumulate_gm`` (DP and ZeRO-1: gradients are whole on every rank anyway) the first m-1
 micro-batches run it, without any gradient reduction, and the last runs ``gm``, which adds
 their sums (its "accum" inputs) and reduces once, as DDP's ``no_sync`` does; otherwise (ZeRO-2/3,
@@ -25,7 +29,7 @@ the batch (as DDP without SyncBatchNorm does).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +51,11 @@ class RankGraph:
     micro_batches: int = 1  # gradient accumulation: the graph runs once per micro-batch
     accumulate_gm: fx.GraphModule | None = None  # micro-batches before the last, if they skip the sync
     buffer_index: dict[str, int] = field(default_factory=dict)  # buffer -> output of its new value
+    # a loss that is a mean over valid tokens: a micro-batch's user inputs -> its count of them
+    # (`passes.token_count.TokenCounter`); None: every micro-batch weighs the same
+    token_counter: Callable[[tuple], int] | None = None
+    dp: int = 1  # data-parallel ranks the step's valid tokens are summed over
+    dp_group: object = None  # their process group (torch.distributed.ProcessGroup)
 
 
 class _JointStep(torch.autograd.Function):
@@ -55,7 +64,8 @@ class _JointStep(torch.autograd.Function):
         by_name = dict(zip(names, params))
         m = rank_graph.micro_batches
         device = user_inputs[0].device
-        seed = torch.full((), 1.0 / m, dtype=torch.float32, device=device)
+        seeds = [torch.full((), s, dtype=torch.float32, device=device)
+                 for s in _seeds(rank_graph, user_inputs, device)]
         loss = None
         sums: dict[str, torch.Tensor] = {}
         # every graph of the step has the same leading placeholders: their shapes, read once
@@ -73,7 +83,7 @@ class _JointStep(torch.autograd.Function):
                 elif kind == "input":
                     args.append(user_inputs[int(name)].chunk(m)[micro])
                 elif kind == "tangent":  # the loss's seed gradient
-                    args.append(seed)
+                    args.append(seeds[micro])
                 elif kind == "zero_tangent":  # another output's: returned, not differentiated
                     val = holders[len(args)].meta["val"]
                     args.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=device))
@@ -90,9 +100,8 @@ class _JointStep(torch.autograd.Function):
                 g = out[index]
                 if g is not None:  # out of place: a gradient may be a view the graph shares
                     sums[name] = g if name not in sums else sums[name] + g
-            part = out[rank_graph.loss_index].detach()
+            part = out[rank_graph.loss_index].detach()  # weighted by its seed
             loss = part if loss is None else loss + part
-        loss = loss / m
         ctx.grads = []
         for name, p in zip(names, params):
             g = sums.get(name)
@@ -108,6 +117,21 @@ class _JointStep(torch.autograd.Function):
         scaled = ctx.grads if scale == 1.0 else [None if g is None else g * scale for g in ctx.grads]
         ctx.grads = None  # free them: one backward per step
         return (None, None, None, None, *scaled)
+
+
+def _seeds(rank_graph: RankGraph, user_inputs: tuple, device) -> list[float]:
+    """The loss's seed gradient per micro-batch: d * n_k / N with a token counter, else 1/m."""
+    m = rank_graph.micro_batches
+    if rank_graph.token_counter is None:
+        return [1.0 / m] * m
+    counts = [rank_graph.token_counter(tuple(x.chunk(m)[k] for x in user_inputs)) for k in range(m)]
+    total = sum(counts)
+    if rank_graph.dp > 1:
+        t = torch.tensor([total], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, group=rank_graph.dp_group)
+        total = int(t.item())
+    # no valid token in the whole step: one device's mean is 0/0 = nan, and so is this
+    return [rank_graph.dp * c / total if total else float("nan") for c in counts]
 
 
 def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], buffers: dict,

@@ -158,6 +158,34 @@ class _LossModule(nn.Module):
         return self.loss_fn(self.model(*args[:-1]), args[-1])
 
 
+class _PickLoss(nn.Module):
+    """Wraps a model returning a mapping with a loss (transformers' ModelOutput): its ``.loss``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return self.model(*args)["loss"]
+
+
+def _loss_field(out, model: nn.Module) -> torch.Tensor | None:
+    """The loss of a mapping-like output (a ModelOutput called with labels); None for a plain
+    tensor or tuple. `CaptureError` for a mapping without one (called without labels)."""
+    if isinstance(out, torch.Tensor) or not hasattr(out, "keys"):
+        return None
+    loss = out.get("loss") if hasattr(out, "get") else None
+    if isinstance(loss, torch.Tensor):
+        return loss
+    fields = ", ".join(str(k) for k in out.keys())
+    raise CaptureError(
+        f"{type(model).__name__} returned a {type(out).__name__} without a loss (fields: {fields}), "
+        "so there is nothing to train on.\n  fix: call the model with its labels and return the "
+        "loss (a wrapper whose forward(ids, labels) returns model(input_ids=ids, labels=labels)"
+        ".loss), or pass loss_fn=lambda output, labels: ... with the labels as the last example input"
+    )
+
+
 def capture(
     model: nn.Module,
     example_inputs: Sequence[torch.Tensor],
@@ -184,14 +212,16 @@ def capture(
 
     t0 = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with _fake_parameters(root, fake_mode, dtype) as groups:
+    with _tracing_flags(), _fake_parameters(root, fake_mode, dtype) as groups:
         fake_inputs = tuple(_to_fake(x, fake_mode, dtype) for x in example_inputs)
-        _preflight(root, fake_inputs, fake_mode, module_names)
+        out = _preflight(root, fake_inputs, fake_mode, module_names)
+        if _loss_field(out, model) is not None:
+            root = _PickLoss(root)  # a transformers ModelOutput: train on its .loss
         t_preflight = time.perf_counter() - t0
         try:
             with _track_modules({id(m): n for n, m in model.named_modules()}) as spans:
                 traced = torch.export.export(root, fake_inputs, strict=False).module() if via_export else root
-                wrapper = "model." if loss_fn is not None else ""
+                wrapper = "model." if root is not model else ""
                 gm, inputs, outputs = _joint(traced, fake_inputs, wrapper)
         except CaptureError:
             raise  # already says what to fix
@@ -207,7 +237,7 @@ def capture(
             if spec is not None and spec.kind == "param":
                 shapes[spec.name] = tuple(int(d) for d in node.meta["val"].shape)
                 dtypes[spec.name] = node.meta["val"].dtype
-    prefix = "model." if loss_fn is not None else ""
+    prefix = "model." if root is not model else ""
     if prefix:  # report names as the user's model knows them
         inputs = [GraphInput(i.node, i.kind, i.name.removeprefix(prefix)) for i in inputs]
         # buffer outputs are named like buffer inputs: strip the wrapper's prefix the same way
@@ -498,11 +528,32 @@ def _fake_parameters(root: nn.Module, fake_mode: FakeTensorMode, dtype: torch.dt
             getattr(module, kind)[name] = tensor
 
 
-def _preflight(root: nn.Module, fake_inputs, fake_mode: FakeTensorMode, module_names) -> None:
-    """Run the forward once on fake tensors: wrong shapes fail here, named by module and line."""
+@contextlib.contextmanager
+def _tracing_flags():
+    """Tell model code that a graph is being compiled, as `torch.compile` does.
+
+    Libraries branch on `torch.compiler.is_compiling()` to take a path without data-dependent
+    Python control flow: transformers' mask code otherwise asks ``(mask == 0).all()`` of a
+    fake tensor (inside AOTAutograd's functional wrappers its own FakeTensor check does not
+    see one). The export flag stays off: under it transformers builds an explicit causal mask
+    for shape-generic graphs, where our graph is specialised to its shapes and SDPA's
+    ``is_causal`` (the flash kernel, which TP shards over heads) is right.
+    """
+    compiler = torch.compiler
+    saved = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = saved
+
+
+def _preflight(root: nn.Module, fake_inputs, fake_mode: FakeTensorMode, module_names):
+    """Run the forward once on fake tensors: wrong shapes fail here, named by module and line.
+    Returns the forward's output (fake)."""
     try:
         with fake_mode, torch.no_grad():
-            root(*fake_inputs)
+            return root(*fake_inputs)
     except Exception as exc:
         frame = locate_user_frame(exc, module_names)
         raise CaptureError.from_exception(exc, module_names, frame=frame, preflight=True) from exc

@@ -10,6 +10,8 @@ from torch import nn
 
 from autopar.errors import InputError
 
+IGNORE_INDEX = -100  # labels cross_entropy leaves out of the loss and of its mean
+
 
 def validate_inputs(
     model: nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None
@@ -59,10 +61,15 @@ def _validate_token_inputs(config, example_inputs: Sequence[torch.Tensor]) -> No
                 f"{name} have sequence length {x.shape[1]} > {config.name}'s max_seq "
                 f"{config.max_seq}: shorten the sequence"
             )
-        if x.device.type != "meta" and x.numel() and (int(x.min()) < 0 or int(x.max()) >= config.vocab):
+        if x.device.type == "meta" or not x.numel():
+            continue
+        # labels may be -100: cross_entropy's ignore_index (padding, prompt tokens)
+        ids = x[x != IGNORE_INDEX] if name == "labels" else x
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab):
+            allowed = f"[0, {config.vocab})" + (f" or {IGNORE_INDEX} (ignored)" if name == "labels" else "")
             raise InputError(
-                f"{name} hold ids outside [0, {config.vocab}) (min {int(x.min())}, "
-                f"max {int(x.max())}): the vocabulary of {config.name} has {config.vocab} tokens"
+                f"{name} hold ids outside {allowed} (min {int(ids.min())}, max {int(ids.max())}): "
+                f"the vocabulary of {config.name} has {config.vocab} tokens"
             )
     if len(example_inputs) >= 2 and example_inputs[0].shape != example_inputs[1].shape:
         raise InputError(

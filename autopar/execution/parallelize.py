@@ -21,6 +21,10 @@ a plan runs exactly as planned or not at all.
 
 Buffers the forward updates (BatchNorm statistics) are written back on every rank; under data
 parallelism each rank keeps its own statistics, as DDP does without SyncBatchNorm.
+
+A model whose parameters are on the meta device is parallelised without ever being whole: each
+rank allocates only its shards, filled from a checkpoint of any layout by
+``torch.distributed.checkpoint.load(pm.state_dict(), ...)`` and ``pm.load_state_dict``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
 from passes.recompute import apply_recompute, values_to_recompute
 from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
+from passes.token_count import token_counter, weight_loss_by_seed
 from runtime.executor import RankGraph, run_step
 
 
@@ -64,7 +69,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, module: nn.Module, rank_graph: RankGraph, plan: Plan, mesh: DeviceMesh,
                  input_shapes: list[tuple[int, ...]], canonical: list[str],
-                 local_batch: bool = False) -> None:
+                 local_batch: bool = False, unloaded: set[str] | None = None) -> None:
         super().__init__()
         # adopt the copy's children, weights and buffers: names stay those of the original
         self._modules.update(module._modules)
@@ -76,12 +81,26 @@ class ParallelModule(nn.Module):
         self._input_shapes = input_shapes
         self._canonical = canonical
         self._local_batch = local_batch
+        self._unloaded = set(unloaded or ())  # shards of a meta model not yet filled
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """`nn.Module.load_state_dict`; for a model parallelised from the meta device this is
+        how its shards are filled (after ``torch.distributed.checkpoint.load(sd, ...)``)."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._unloaded -= set(state_dict)
+        return result
 
     def forward(self, *batch: torch.Tensor) -> torch.Tensor:
         """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients.
 
         With ``local_batch=True`` at `parallelize`, ``batch`` is this rank's data-parallel
         slice (ranks of one TP group pass the same slice)."""
+        if self._unloaded:
+            raise InputError(
+                f"the model was parallelised from the meta device and {len(self._unloaded)} "
+                f"parameters (e.g. {sorted(self._unloaded)[0]!r}) hold no values yet.\n  fix: fill "
+                "the shards from a checkpoint first: sd = pm.state_dict(); "
+                "torch.distributed.checkpoint.load(sd, checkpoint_id=...); pm.load_state_dict(sd)")
         shapes = [tuple(x.shape) for x in batch]
         if shapes != self._input_shapes:
             what = "this rank's slice of the example inputs" if self._local_batch else "the example inputs"
@@ -113,7 +132,8 @@ class ParallelModule(nn.Module):
         for node, (kind, name) in zip(placeholders, self._rank_graph.inputs):
             part = "one micro-batch of this rank's slice" if self._rank_graph.micro_batches > 1 else "this rank's slice"
             label = {"input": f"batch input {name} ({part})",
-                     "tangent": "seed gradient of the loss (1 / grad_accum)"}
+                     "tangent": "seed gradient of the loss (1 / grad_accum, or with labels ignored "
+                                "dp x this micro-batch's share of the step's valid tokens)"}
             note = reasons.get(node.name, "")
             lines.append(f"#   {node.name}: {label.get(kind, f'{kind} {name}')}" + (f" -- {note}" if note else ""))
         for line in self._rank_graph.gm.code.splitlines():
@@ -156,9 +176,14 @@ def parallelize(
                              f"mesh={world} or start {mesh} ranks")
     elif mesh.size() != world:
         raise InputError(f"the mesh has {mesh.size()} ranks but the process group has {world}")
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise InputError("parallelize needs the model's weights: build it on a real device "
-                         "(device='meta' is for planning only)")
+    meta_buffers = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if meta_buffers:
+        raise InputError(
+            f"buffer {meta_buffers[0]!r} (and {len(meta_buffers) - 1} more) is on the meta device: "
+            "autopar allocates only the parameters' shards of a meta model and cannot compute "
+            "buffers (rotary frequencies and the like are not in checkpoints).\n  fix: build the "
+            "model with its parameters only on meta (accelerate's init_empty_weights("
+            "include_buffers=False), or move the buffers: module.register_buffer(name, value))")
     example_inputs = tuple(example_inputs)
     batch = example_inputs[0].shape[0]
     cluster = (Cluster.detect() if device_type == "cuda"
@@ -179,6 +204,8 @@ def parallelize(
                            {o.name: o.index for o in graph.outputs if o.kind == "grad"},
                            next(o.index for o in graph.outputs if o.kind == "loss"),
                            {o.name: o.index for o in graph.outputs if o.kind == "buffer"})
+    # a mean over valid tokens: weight each micro-batch (and rank) by its share of them
+    counter = token_counter(graph.gm, signature)
     gm, shapes = graph.gm, dict(graph.param_shapes)
     decisions = chosen.decisions
     # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
@@ -213,6 +240,7 @@ def parallelize(
     if lay.recompute != "none":
         # the plan lists what is recomputed, value by value, as it runs
         decisions.recompute = _recomputed(None, lay, _recompute(gm, graph, lay.recompute, lay.tp > 1))
+    weight_loss_by_seed(gm, signature)
     accumulate_gm = None
     inputs = list(signature.inputs)
     if lay.dp > 1:
@@ -236,13 +264,16 @@ def parallelize(
         micro_batches=m,
         accumulate_gm=accumulate_gm,
         buffer_index=signature.buffer_index,
+        token_counter=counter,
+        dp=lay.dp,
+        dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
     )
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
     module = copy.deepcopy(model)
-    _to_dtensors(module, mesh, decisions, graph.aliases)
+    unloaded = _to_dtensors(module, mesh, decisions, graph.aliases)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, list(signature.placeholder_of("param")),
-                          local_batch=local_batch)
+                          local_batch=local_batch, unloaded=unloaded)
 
 
 def _recompute(gm, graph, mode: str, retraced: bool) -> dict[int, list[str]]:
@@ -378,12 +409,17 @@ def _local_shard(data: torch.Tensor, place: AxisPlacement, n: int, rank: int) ->
 
 
 def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
-                 aliases: dict[str, str]) -> None:
+                 aliases: dict[str, str]) -> set[str]:
     """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placements.
 
     On the ("dp", "tp") mesh a weight is first split over TP, then (ZeRO) its TP shard's rows
     over DP; when both split dim 0 that is DTensor's right-to-left `_StridedShard` order.
+    A parameter on the meta device gets only this rank's shard, allocated and left unset (NaN
+    where floating): returns those parameters' names, to be filled from a checkpoint.
     """
+    device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+              else torch.device(mesh.device_type))
+    unloaded: set[str] = set()
     layout = decisions.layout
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     made: dict[int, nn.Parameter] = {}
@@ -401,7 +437,15 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
                 if dp_place.is_shard:  # ZeRO: the rows of the TP-local shard
                     local = local.chunk(layout.dp, dim=0)[dp_rank]
                 placements = [to_dtensor_placement(dp_place), to_dtensor_placement(tp_place)]
-                dt = DTensor.from_local(local.contiguous().clone(), mesh, placements,
+                if local.device.type == "meta":  # only this rank's shard is ever allocated
+                    local = torch.empty(local.shape, dtype=local.dtype, device=device)
+                    if local.is_floating_point():
+                        local.fill_(float("nan"))  # never silently trained on garbage
+                    unloaded.add(full_name)
+                else:
+                    local = local.contiguous().clone()
+                dt = DTensor.from_local(local, mesh, placements,
                                         run_check=False, shape=data.shape, stride=data.stride())
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             sub._parameters[pname] = made[id(p)]
+    return unloaded

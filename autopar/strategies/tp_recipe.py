@@ -89,6 +89,9 @@ class TPRecipe:
     # fused projections (GPT-2's q, k, v in one weight): parameter -> parts, split per part
     fused_parts: dict[str, int] = field(default_factory=dict)
     fused_heads: dict[str, int] = field(default_factory=dict)  # parameter -> heads per part
+    # weights a matmul reads as stored, [in, out] (transformers' Conv1D in GPT-2), not
+    # through a transpose as nn.Linear's [out, in]: their column / row dims swap
+    in_out: set[str] = field(default_factory=set)
 
     def divides(self, tp: int) -> bool:
         """Whether every fused projection's heads split ``tp`` ways (q, k, v by heads)."""
@@ -97,14 +100,15 @@ class TPRecipe:
     def param_shard_dim(self, name: str) -> int | None:
         """Tensor dim a parameter is sharded on over TP (None: replicated).
 
-        nn.Linear weights are [out, in]: column-parallel shards dim 0, row-parallel dim 1;
-        embeddings [vocab, h] shard dim 0; biases of column layers dim 0.
+        nn.Linear weights are [out, in]: column-parallel shards dim 0, row-parallel dim 1
+        (swapped for weights stored [in, out], see ``in_out``); embeddings [vocab, h] shard
+        dim 0; biases of column layers dim 0.
         """
         role = self.roles.get(name, REPLICATED)
-        if role == ROW:
-            return 1
-        if role in (COL, VOCAB):
+        if role == VOCAB:
             return 0
+        if role in (COL, ROW):
+            return int((role == ROW) != (name in self.in_out))
         return None
 
 
@@ -119,6 +123,8 @@ def find_tp_recipe(
     kinds = {i.node: i for i in graph.inputs}
     state: dict[str, str] = {}
     weight_of: dict[str, str] = {}
+    flipped: dict[str, bool] = {}  # weight-derived node -> reached through an odd number of transposes
+    in_out: set[str] = set()
     batch_dep: dict[str, bool] = {}
     forced = dict(roles or {})
     roles = {}
@@ -156,6 +162,7 @@ def find_tp_recipe(
         target = node.target
         if target in _WEIGHT_PASSTHROUGH and len(ins) == 1 and ins[0].name in weight_of:
             weight_of[node.name] = weight_of[ins[0].name]
+            flipped[node.name] = flipped.get(ins[0].name, False) != _transposes(node)
             state[node.name] = "R"
             continue
         if target in _PARAM_MATMULS:
@@ -166,6 +173,11 @@ def find_tp_recipe(
                 x = operands[1] if operands[0] is w else operands[0]
                 reduce(x)
                 param = weight_of[w.name]
+                if forward(node) and param not in roles and getattr(w.meta.get("val"), "ndim", 0) == 2:
+                    # x @ W' reads W' as [in, out]: W is stored so unless a transpose made W'
+                    stored_in_out = (operands[1] is w) != flipped.get(w.name, False)
+                    if stored_in_out:
+                        in_out.add(param)
                 x_state = state[x.name]
                 if forced.get(param) == REPLICATED:
                     roles[param] = REPLICATED
@@ -256,7 +268,16 @@ def find_tp_recipe(
             state[node_name] = "S"
     parts, heads = _fused_projections(graph, col_mm, weight_of)
     return TPRecipe(state, roles, sharded_mm, col_mm, wgrad_mm, events, weight_of, batch_dep,
-                    fallback_ops, parts, heads)
+                    fallback_ops, parts, heads, in_out & {p for p, r in roles.items() if r in (COL, ROW)})
+
+
+def _transposes(node) -> bool:
+    """Whether a weight pass-through op swaps a 2-D weight's two dims."""
+    if node.target in (aten.t.default, aten.transpose.int):
+        return True
+    if node.target == aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    return False
 
 
 # Ops that keep a matmul's output features as they are (same values, maybe a new batch shape).

@@ -80,3 +80,38 @@ def test_gather_groups_follow_blocks_or_cut_a_flat_model_into_buckets():
     flat = {"enc.weight": torch.empty(rows // 2, 1024, device="meta"), "mid.weight": torch.empty(8, 1024),
             "dec.weight": torch.empty(rows, 1024, device="meta")}
     assert [g[0] for g in gather_groups(flat).values()] == ["bucket 0 of the weights"] * 2 + ["bucket 1 of the weights"]
+
+
+def test_zero3_backward_reads_only_its_own_gather():
+    """ZeRO-3 drops a block's whole weights after the forward: no backward op may read the
+    forward's gathered weight, directly or through a view of it (the linear's t(W) that
+    AOTAutograd shares with the backward), or every block's weights stay whole until then."""
+    from autopar import models
+    from autopar.capture.joint import capture
+    from cost.plan_types import AxisGroup, CommPlan, DataParallelPlan, GraphSignature
+    from passes.data_parallel import apply_data_parallel
+
+    model = models.build("tiny-llama", device="meta")
+    graph = capture(model, models.example_inputs("tiny-llama", batch=2, seq=16, device="meta"))
+    signature = GraphSignature(inputs=[(i.kind, i.name) for i in graph.inputs],
+                               placeholders=[i.node for i in graph.inputs],
+                               grad_index={o.name: o.index for o in graph.outputs if o.kind == "grad"},
+                               loss_index=next(o.index for o in graph.outputs if o.kind == "loss"))
+    gm = copy.deepcopy(graph.gm)
+    plan = DataParallelPlan(3, frozenset(graph.param_shapes), CommPlan())
+    apply_data_parallel(gm, signature, dict(graph.param_shapes), plan, AxisGroup("g", 2, 0))
+    passive = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+               torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.slice.Tensor,
+               torch.ops.aten._to_copy.default,
+               torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+    forward_gathers = [n for n in gm.graph.nodes if n.target == torch.ops._c10d_functional.wait_tensor.default
+                       and "for the forward" in n.meta.get("autopar", "")]
+    assert forward_gathers
+    for gathered in forward_gathers:
+        frontier, readers = [gathered], []
+        while frontier:
+            for user in frontier.pop().users:
+                (frontier if user.target in passive and user.meta.get("partitioner_tag") != "is_backward"
+                 else readers).append(user)
+        late = [r.name for r in readers if r.meta.get("partitioner_tag") == "is_backward"]
+        assert late == [], f"{gathered.meta['autopar']}: read by the backward at {late}"

@@ -23,32 +23,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from parity_checks import close as _close
+from parity_checks import contract as _contract
+from parity_checks import train_and_compare as _train_and_compare
 from torch.distributed.tensor import Shard
 
 from runtime.launch import spawn
 
 MODELS = ("tiny-gpt2", "tiny-llama", "tiny-mixtral")
 STAGES = (0, 1, 2, 3)
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def _contract(pm, label) -> list[tuple]:
-    """What runs is what the plan says: placements per mesh axis, and no fallback on the zoo."""
-    from autopar.execution.parallelize import placement_of
-
-    failures = []
-    axes = pm.mesh.mesh_dim_names
-    for name, p in pm.named_parameters():
-        runs = {axis: str(placement_of(q)) for axis, q in zip(axes, p.placements)
-                if axis in pm.plan.placements[name]}
-        if runs != pm.plan.placements[name]:
-            failures.append((*label, f"{name} runs {runs}, the plan says {pm.plan.placements[name]}"))
-    if pm.plan.fallbacks:
-        failures.append((*label, "fallbacks", [f.op for f in pm.plan.fallbacks]))
-    return failures
 
 
 def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
@@ -82,34 +65,6 @@ def test_dp_and_zero_match_one_device(world):
     layouts = [{"dp": world, "zero": zero} for zero in STAGES]
     results = spawn(_layouts_worker, world, args=(layouts,), timeout_s=600)
     assert results == [[]] * world
-
-
-def _train_and_compare(pm, ref, batch, label) -> list[tuple]:
-    """3 AdamW steps on both; every mismatch of loss, gradient or parameter, with its size."""
-    failures = []
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-5)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
-    named_ref = dict(ref.named_parameters())
-    for step in range(3):
-        loss = pm(*batch)
-        loss.backward()
-        ref_loss = ref(*batch)
-        ref_loss.backward()
-        if not _close(loss, ref_loss.detach()):
-            failures.append((*label, step, "loss", loss.item(), ref_loss.item()))
-        for pname, p in pm.named_parameters():
-            if not _close(p.grad.full_tensor(), named_ref[pname].grad):
-                diff = (p.grad.full_tensor() - named_ref[pname].grad).abs().max().item()
-                failures.append((*label, step, f"grad {pname}", diff))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    for pname, p in pm.named_parameters():
-        if not _close(p.full_tensor(), named_ref[pname].detach()):
-            diff = (p.full_tensor() - named_ref[pname]).abs().max().item()
-            failures.append((*label, "params after 3 AdamW steps", pname, diff))
-    return failures
 
 
 TP_LAYOUTS = {

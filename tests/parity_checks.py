@@ -1,0 +1,73 @@
+"""Checks shared by the multi-process parity tests: what runs is the plan, and it trains like
+one device (loss, every gradient and the updated parameters, fp32, rtol 1e-5 / atol 1e-6).
+
+Each check returns a list of failures (tuples naming the model, layout, step and the size of
+the difference) rather than asserting, so a worker reports every mismatch of a run at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def contract(pm, label, allowed_fallbacks: Sequence[str] = ()) -> list[tuple]:
+    """The DTensor placements of ``pm.parameters()`` are ``pm.plan.placements``, and no op fell
+    back to replication except those whose name contains one of ``allowed_fallbacks``."""
+    from autopar.execution.parallelize import placement_of
+
+    failures = []
+    axes = pm.mesh.mesh_dim_names
+    for name, p in pm.named_parameters():
+        runs = {axis: str(placement_of(q)) for axis, q in zip(axes, p.placements)
+                if axis in pm.plan.placements[name]}
+        if runs != pm.plan.placements[name]:
+            failures.append((*label, f"{name} runs {runs}, the plan says {pm.plan.placements[name]}"))
+    unexpected = [f.op for f in pm.plan.fallbacks if not any(a in f.op for a in allowed_fallbacks)]
+    if unexpected:
+        failures.append((*label, "fallbacks", unexpected))
+    return failures
+
+
+def adamw(params):
+    """AdamW with eps=1e-5: see test_parity's docstring for why not 1e-8."""
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def train_and_compare(pm, ref, batch, label, steps: int = 3,
+                      optimizers: Sequence[Callable] = (adamw,)) -> list[tuple]:
+    """``steps`` steps on both under each optimizer in turn; every mismatch of loss, gradient or
+    parameter (after each optimizer's steps), with its size."""
+    failures = []
+    named_ref = dict(ref.named_parameters())
+    for make in optimizers:
+        opt, ref_opt = make(pm.parameters()), make(ref.parameters())
+        for step in range(steps):
+            loss = pm(*batch)
+            loss.backward()
+            ref_loss = ref(*batch)
+            ref_loss.backward()
+            if not close(loss, ref_loss.detach()):
+                failures.append((*label, make.__name__, step, "loss", loss.item(), ref_loss.item()))
+            for pname, p in pm.named_parameters():
+                if not close(p.grad.full_tensor(), named_ref[pname].grad):
+                    diff = (p.grad.full_tensor() - named_ref[pname].grad).abs().max().item()
+                    failures.append((*label, make.__name__, step, f"grad {pname}", diff))
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        for pname, p in pm.named_parameters():
+            if not close(p.full_tensor(), named_ref[pname].detach()):
+                diff = (p.full_tensor() - named_ref[pname]).abs().max().item()
+                failures.append((*label, f"params after {steps} {make.__name__} steps", pname, diff))
+    return failures
