@@ -535,9 +535,10 @@ def _tracing_flags():
     Libraries branch on `torch.compiler.is_compiling()` to take a path without data-dependent
     Python control flow: transformers' mask code otherwise asks ``(mask == 0).all()`` of a
     fake tensor (inside AOTAutograd's functional wrappers its own FakeTensor check does not
-    see one). The export flag stays off: under it transformers builds an explicit causal mask
-    for shape-generic graphs, where our graph is specialised to its shapes and SDPA's
-    ``is_causal`` (the flash kernel, which TP shards over heads) is right.
+    see one). Non-strict `torch.export` sets this flag too, and the export flag, which we leave
+    off (it only makes transformers keep shape-generic paths; our graph is specialised to its
+    shapes). transformers still passes SDPA an explicit causal mask under tracing (its
+    packed-sequence check on position ids cannot be read): the TP pass shards it with the heads.
     """
     compiler = torch.compiler
     saved = compiler._is_compiling_flag
