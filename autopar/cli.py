@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from autopar.errors import AutoparError, InputError
 from autopar.models.configs import ModelConfig, UnknownModelError
-from cost.layout import PRECISIONS, RECOMPUTE, SCHEDULES, Layout, LayoutError
+from cost.layout import PRECISIONS, RECOMPUTE, SCHEDULES, Layout, LayoutError, unsupported_decisions
 
 # The longest --seq used when none is given; a model with a shorter limit gets its own.
 DEFAULT_SEQ = 4096
@@ -247,11 +247,11 @@ def _write_json(path: str | None, data) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Capture a zoo model's step on fake tensors and print its costs."""
-    from autopar.analysis.inspect_model import format_report, inspect_model
-
     cfg = _model_config(args.model)
     seq = _seq(args.seq, cfg)
     batch = _positive("--batch", args.batch, "the number of sequences")
+    from autopar.analysis.inspect_model import format_report, inspect_model
+
     print(f"capturing {args.model} (batch {batch}, seq {seq}, {args.dtype}) on fake tensors ...",
           flush=True)
     report, _, _ = inspect_model(args.model, batch=batch, seq=seq, dtype=args.dtype)
@@ -262,11 +262,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan (or evaluate --layout on) a zoo model on a cluster; nothing runs."""
-    import torch
-
-    from autopar import models
-    from autopar.planning.planner import plan
-
     cfg = _model_config(args.model)
     layout = _layout_from_args(args)
     cluster = _cluster(args)
@@ -276,6 +271,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''}"
         where = f"the cluster has {cluster.world_size} ({nodes} x {cluster.gpus_per_node} GPUs)"
         _check_layout_fits(layout, cluster.world_size, where, cfg, seq)
+    # only now the heavy imports (torch alone takes seconds): a bad argument answers at once
+    import torch
+
+    from autopar import models
+    from autopar.planning.planner import plan
+
     # a GPU model is planned in bf16; CPU ranks train the zoo's fp32 models
     dtype = torch.float32 if cluster.gpu.is_cpu else torch.bfloat16
     model = models.build(args.model, device="meta", dtype=dtype)
@@ -370,8 +371,6 @@ def _check_dump_args(args: argparse.Namespace) -> None:
 
 def _check_executable(layout: Layout) -> None:
     """`autopar dump` runs the layout: refuse what the runtime cannot execute, before spawning."""
-    from autopar.search.solver import unsupported_decisions
-
     missing = unsupported_decisions(layout)
     if layout.precision not in (None, "fp32", "fp8"):
         missing.append(f"precision={layout.precision} on the zoo's fp32 weights")
@@ -391,9 +390,9 @@ def _rank_failure(exc) -> CommandError:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     """Run the plan on local gloo ranks and print one rank's graph."""
+    _check_dump_args(args)
     from runtime.launch import RankFailedError, spawn
 
-    _check_dump_args(args)
     try:
         texts = spawn(_dump_worker, args.world,
                       args=(args.model, args.batch, args.seq, args.layout),

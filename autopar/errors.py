@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 from dataclasses import dataclass
 
-import torch
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
+@functools.cache
+def _torch_dir() -> str:
+    """torch's own source directory (imported here, not at module import: the CLI's argument
+    checks must not wait for torch)."""
+    import torch
+
+    return os.path.dirname(torch.__file__)
 
 
 # Words in tracing errors that mean "this depends on tensor values".
@@ -103,7 +109,7 @@ def locate_user_frame(exc: BaseException, module_names: dict[int, str]) -> UserF
             if (
                 self_obj is not None
                 and id(self_obj) in module_names
-                and not frame.f_code.co_filename.startswith(_TORCH_DIR)
+                and not frame.f_code.co_filename.startswith(_torch_dir())
             ):
                 best = UserFrame(
                     module=module_names[id(self_obj)],

@@ -174,3 +174,22 @@ class Layout:
     def to_json(self) -> str:
         """JSON text of `to_dict`."""
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def unsupported_decisions(layout: Layout) -> list[str]:
+    """The decisions of ``layout`` that `autopar.parallelize` cannot execute yet, in words.
+
+    Here, beside the layout, rather than with the solver: the CLI refuses such a layout before
+    it imports anything heavy, and the solver's search skips them (``executable_only``).
+    """
+    out = []
+    if layout.pp > 1:
+        out.append(f"pipeline parallelism (pp={layout.pp})")
+    if layout.cp > 1:
+        out.append(f"context parallelism (cp={layout.cp})")
+    if layout.ep > 1:
+        out.append(f"expert parallelism (ep={layout.ep})")
+    # recompute "selective" and "full" run (passes/recompute.py): nothing to refuse
+    if layout.precision == "fp8":
+        out.append("FP8 matmuls (precision='fp8')")
+    return out

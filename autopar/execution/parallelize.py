@@ -48,9 +48,9 @@ from autopar.planning.plan import make_plan as make_layout_plan
 from autopar.planning.planner import model_precision
 from autopar.planning.planner import plan as make_plan
 from autopar.search.decisions import _recomputed
-from autopar.search.solver import unsupported_decisions
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
+from cost.layout import unsupported_decisions
 from cost.plan_types import AxisGroup, AxisPlacement, Fallback, GraphSignature, PlanDecisions
 from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel

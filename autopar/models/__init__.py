@@ -11,11 +11,21 @@ Every model has ``embed``, ``layers`` (ModuleList of identical blocks), ``norm``
 ``lm_head`` (GPT-2 also ``pos_embed``), and its forward has no data-dependent control flow.
 """
 
+import importlib
+
 from .configs import CONFIGS, ModelConfig, UnknownModelError, config, names
-from .gpt import GPT
-from .llama import Llama
-from .moe import Mixtral
-from .zoo import build, example_inputs, init_weights
+
+# the modules themselves load on first use (they import torch; the configs do not)
+_LAZY = {"GPT": ".gpt", "Llama": ".llama", "Mixtral": ".moe", "build": ".zoo",
+         "example_inputs": ".zoo", "init_weights": ".zoo"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'autopar.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = ["CONFIGS", "ModelConfig", "UnknownModelError", "config", "names", "build",
            "example_inputs", "init_weights", "GPT", "Llama", "Mixtral"]

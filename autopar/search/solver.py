@@ -21,6 +21,7 @@ from autopar.errors import AutoparError
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
+from cost.layout import unsupported_decisions
 from cost.step import (
     Prediction,
     StepFacts,
@@ -212,21 +213,6 @@ def solve(
     if progress:
         progress(f"done in {stats['time_s']:.1f} s: {layout.short()}")
     return Solution(layout, pred, facts, manual, stats)
-
-
-def unsupported_decisions(layout: Layout) -> list[str]:
-    """The decisions of ``layout`` that `autopar.parallelize` cannot execute yet, in words."""
-    out = []
-    if layout.pp > 1:
-        out.append(f"pipeline parallelism (pp={layout.pp})")
-    if layout.cp > 1:
-        out.append(f"context parallelism (cp={layout.cp})")
-    if layout.ep > 1:
-        out.append(f"expert parallelism (ep={layout.ep})")
-    # recompute "selective" and "full" run (passes/recompute.py): nothing to refuse
-    if layout.precision == "fp8":
-        out.append("FP8 matmuls (precision='fp8')")
-    return out
 
 
 def _infeasible_message(facts: StepFacts, cluster: Cluster, stats: dict) -> str:

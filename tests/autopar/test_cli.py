@@ -217,3 +217,19 @@ def test_calibrate_runs_errors_and_profile_flag(tmp_path, capsys):
     assert "row 2" in err and "dp*tp*pp*cp" in err and "Traceback" not in err
     assert main(["plan", "--model", "tiny-llama", "--profile", str(tmp_path / "none.json")]) == 2
     assert "autopar calibrate" in capsys.readouterr().err
+
+
+def test_argument_errors_answer_before_torch_is_imported():
+    """A bad argument is answered from the configs alone: torch (about 3 s to import on a
+    small box) is never loaded, so the message comes back in a fraction of a second."""
+    code = ("import sys; from autopar.cli import main\n"
+            "for argv in (['plan', '--model', 'gpt2', '--seq', '0'], ['plan', '--layout', 'dp=eight'],\n"
+            "             ['plan', '--model', 'gtp2'], ['dump', '--model', 'tiny-llama', '--layout', 'pp=2']):\n"
+            "    assert main(argv) == 2, argv\n"
+            "print('torch' in sys.modules)")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    assert out.stderr.count("autopar: error:") == 4 and out.stderr.count("fix:") == 4
+    assert time.perf_counter() - t0 < 10  # generous: 0.2 s here idle; the check is the import

@@ -69,13 +69,15 @@ def test_pass_gives_the_global_batch_gradients(zero):
 def test_gather_groups_follow_blocks_or_cut_a_flat_model_into_buckets():
     from passes.data_parallel import BUCKET_BYTES, gather_groups
 
-    blocks = {"embed.weight": torch.empty(8, 4), "layers.0.q.weight": torch.empty(4, 4),
+    blocks = {"embed.weight": torch.empty(8, 4), "head.weight": torch.empty(8, 4),
+              "layers.0.q.weight": torch.empty(4, 4),
               "layers.0.norm.weight": torch.empty(4, dtype=torch.float64), "layers.1.q.weight": torch.empty(4, 4)}
     groups = gather_groups(blocks)
-    assert groups["embed.weight"][0] == "the weights outside the blocks"
+    assert groups["embed.weight"][0] == "embed (outside the blocks)"  # not with the head
     assert groups["layers.0.q.weight"] == ("block layers.0's weights", torch.float32)
     assert groups["layers.0.norm.weight"] != groups["layers.0.q.weight"]  # another dtype
     assert groups["layers.1.q.weight"][0] == "block layers.1's weights"
+    assert groups["head.weight"][0] == "head (outside the blocks)"
     rows = BUCKET_BYTES // (4 * 1024)  # one bucket's worth of float32 rows of 1024
     flat = {"enc.weight": torch.empty(rows // 2, 1024, device="meta"), "mid.weight": torch.empty(8, 1024),
             "dec.weight": torch.empty(rows, 1024, device="meta")}

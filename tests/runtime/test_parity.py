@@ -125,18 +125,21 @@ def _errors_worker(rank: int, world: int) -> list[str]:
     text = pm.dump_graph(rank=0)
     collectives = [line for line in text.splitlines() if "_c10d_functional" in line and "wait_tensor" not in line]
     # ZeRO-1 on a model far below the 1 MiB first bucket: one weight gather per block (and one
-    # for the weights outside the blocks), one gradient bucket (on gloo an all-reduce of which
+    # per module outside the blocks), one gradient bucket (on gloo an all-reduce of which
     # each rank keeps its rows), the loss's all-reduce; every collective says why it is there
     if not all("# " in line for line in collectives):
         seen.append("uncommented collective")
     gathers = sum("all_gather" in line for line in collectives)
     reductions = sum("reduce_scatter" in line or "all_reduce" in line for line in collectives)
-    seen.append((gathers, reductions, model.config.n_layers))
+    # ZeRO gathers the weights outside the blocks module by module (embedding, final norm, head)
+    outside = len({n.rpartition(".")[0] for n, _ in model.named_parameters()
+                   if not any(part.isdigit() for part in n.split("."))})
+    seen.append((gathers, reductions, model.config.n_layers + outside))
     zero3 = parallelize(model, world, example_inputs=batch,
                         layout=autopar.Layout(dp=world, zero=3, microbatch=4 // world, precision="fp32"))
     lines = [line for line in zero3.dump_graph().splitlines()
              if "all_gather_into_tensor" in line and "wait_tensor" not in line]
-    seen.append(("zero3", len(lines), model.config.n_layers,
+    seen.append(("zero3", len(lines), model.config.n_layers + outside,
                  sum("forward" in line for line in lines), sum("backward" in line for line in lines)))
     tp = parallelize(model, world, example_inputs=batch,
                      layout=autopar.Layout(tp=world, sp=True, microbatch=4, precision="fp32"))
@@ -152,12 +155,13 @@ def test_bad_input_and_dump_graph():
     seen = results[0]
     assert seen[:7] == ["mesh", "batch", "accum"] + ["refused"] * 3 + ["model"]
     assert "uncommented collective" not in seen
-    gathers, reductions, n_layers = seen[-3]
-    assert gathers == n_layers + 1  # tiny-llama: every weight's first dim divides by 2
+    gathers, reductions, groups = seen[-3]
+    assert gathers == groups  # tiny-llama: every weight's first dim divides by 2
     assert reductions == 1 + 1  # one reduce-scatter bucket, plus the loss
-    # ZeRO-3: one gather per block and pass, plus one for the weights outside the blocks
-    _, count, n_layers, forward, backward = seen[-2]
-    assert (forward, backward) == (n_layers + 1, n_layers + 1) and count == 2 * (n_layers + 1)
+    # ZeRO-3: one gather per block and pass, plus one per module outside the blocks; the
+    # backward never reads the (untied) embedding's weight: its gradient is a scatter-add
+    _, count, groups, forward, backward = seen[-2]
+    assert (forward, backward) == (groups, groups - 1) and count == 2 * groups - 1
     _, count, all_tp, scatters, gathers = seen[-1]
     # TP+SP on 2 blocks: 2 reduce-scatters and 2 gathers per block and pass, plus the embedding's
     # reduce-scatter and the final norm's gather (forward) / the logits' reduce-scatter (backward)
