@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from autopar import cli
 from autopar.cli import main
 
@@ -56,6 +58,7 @@ def test_dump_shows_the_collectives_of_the_plan(capsys):
     assert "# ZeRO-3: gather block layers.0's weights for the forward" in text
 
 
+@pytest.mark.slow  # a benchmark's smoke run (90 s here): benchmarks live apart from the default run
 def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monkeypatch):
     from autopar.bench.runtime import format_runtime_bench, run_runtime_bench
 
