@@ -247,6 +247,8 @@ def _unshare_weight_views(graph: fx.Graph, weights) -> None:
     copied into the backward, before its first backward reader, so the backward's reads come
     from the backward's own gather of W and the forward's copy dies after the forward.
     """
+    # the readers are nodes of the graph as it came (copies read copies): one position map
+    position = {node: i for i, node in enumerate(graph.nodes)}
     for weight in weights:
         chain = [u for u in weight.users if u.target in _WEIGHT_VIEWS and not _is_backward(u)]
         while chain:
@@ -255,7 +257,6 @@ def _unshare_weight_views(graph: fx.Graph, weights) -> None:
             readers = [u for u in view.users if _is_backward(u)]
             if not readers:
                 continue
-            position = {node: i for i, node in enumerate(graph.nodes)}
             first = min(readers, key=position.__getitem__)
             path = [view]  # view <- ... <- weight, the ops to replay
             while path[-1].args[0] is not weight:

@@ -268,7 +268,7 @@ def find_tp_recipe(
             state[node_name] = "S"
     parts, heads = _fused_projections(graph, col_mm, weight_of)
     return TPRecipe(state, roles, sharded_mm, col_mm, wgrad_mm, events, weight_of, batch_dep,
-                    fallback_ops, parts, heads, in_out & {p for p, r in roles.items() if r in (COL, ROW)})
+                    fallback_ops, parts, heads, in_out)
 
 
 def _transposes(node) -> bool:

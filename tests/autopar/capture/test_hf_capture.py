@@ -7,7 +7,7 @@ PyTorch's loss and every gradient (fp32, rtol 1e-5), for each decoder family.
 
 import pytest
 import torch
-from hf_tiny import FAMILIES, CausalLM, batch, build
+from hf_tiny import FAMILIES, batch, build
 
 import autopar
 from autopar.capture.joint import capture
@@ -77,7 +77,3 @@ def test_tp_plan_shards_the_projections(family):
         assert place["model.model.layers.0.mlp.up_proj.weight"] == "Shard(0)"
         assert place["model.model.layers.0.mlp.down_proj.weight"] == "Shard(1)"
         assert place["model.model.layers.0.self_attn.q_proj.weight"] == "Shard(0)"
-
-
-def test_causal_lm_wrapper_is_plain_pytorch():
-    assert isinstance(build("gpt2"), CausalLM)
