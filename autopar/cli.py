@@ -21,7 +21,16 @@ from collections.abc import Sequence
 
 from autopar.errors import AutoparError, InputError
 from autopar.models.configs import ModelConfig, UnknownModelError
-from cost.layout import PRECISIONS, RECOMPUTE, SCHEDULES, Layout, LayoutError, unsupported_decisions
+from cost.layout import (
+    FP8_CHOICES,
+    FP8_RECIPES,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
+    Layout,
+    LayoutError,
+    unsupported_decisions,
+)
 
 # The longest --seq used when none is given; a model with a shorter limit gets its own.
 DEFAULT_SEQ = 4096
@@ -142,7 +151,8 @@ def _cluster(args: argparse.Namespace):
 # ---------------------------------------------------------------------------------- layouts
 
 _BOOL_FIELDS = ("sp", "fp32_grad_accum")
-_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "precision": PRECISIONS}
+_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "precision": PRECISIONS,
+                  "fp8_recipe": FP8_RECIPES}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _LAYOUT_FIELDS = [f.name for f in dataclasses.fields(Layout)]
 _LAYOUT_EXAMPLE = "--layout dp=8,tp=2,zero=1,sp=1,microbatch=2"
@@ -154,6 +164,8 @@ def _layout_value(key: str, value: str):
         if value.lower() in _TRUE + _FALSE:
             return value.lower() in _TRUE
         raise UsageError(f"--layout {key}={value}: {key} is on or off; fix: write {key}=1 or {key}=0")
+    if key == "fp8":  # none | auto | all, or weight names / patterns joined by "+"
+        return value if value in FP8_CHOICES else tuple(v for v in value.split("+") if v)
     if key in _CHOICE_FIELDS:
         choices = _CHOICE_FIELDS[key]
         if value in choices:
@@ -322,6 +334,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_solver_bench(quick=args.quick)
         print(format_solver_bench(result))
+    elif args.what == "fp8":
+        from autopar.bench.fp8 import format_fp8_bench, run_fp8_bench
+
+        result = run_fp8_bench(quick=args.quick)
+        print(format_fp8_bench(result))
     else:  # argparse restricts the choices
         raise ValueError(args.what)
     _write_json(args.json or f"results/bench-{args.what}.json", result)
@@ -500,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dump)
 
     p = add("bench", help="benchmarks: tables plus JSON in results/")
-    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime", "playbook"])
+    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime", "playbook", "fp8"])
     p.add_argument("--quick", action="store_true", help="fewer points")
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
     p.add_argument("--calibration", help="runtime: predict with this `autopar calibrate` file "

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp8")
+# which weight matmuls run in FP8: none, the cost model's choice, every candidate (or a tuple of
+# weight names / block-tied patterns such as "layers.*.mlp.up.weight")
+FP8_CHOICES = ("none", "auto", "all")
+# how FP8 matmuls scale and cast (torchao's names; passes/fp8.py RECIPES holds their rules)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 class LayoutError(ValueError):
@@ -37,8 +42,16 @@ class Layout:
         microbatch.
     schedule: pipeline schedule, one of SCHEDULES; virtual_stages: chunks per rank (interleaved).
     recompute: activation recomputation, one of RECOMPUTE.
-    precision: compute precision of matmuls, one of PRECISIONS (fp8 keeps bf16 elsewhere);
-        None: derived by `resolve` (the model's own dtype; see `autopar.plan`).
+    precision: compute precision, one of PRECISIONS; None: derived by `resolve` (the model's own
+        dtype; see `autopar.plan`). "fp8" is shorthand: `resolve` turns it into the model's
+        precision with ``fp8="all"`` (when fp8 is "none"): every weight matmul in FP8.
+    fp8: the weight matmuls run in FP8 (forward, input and weight gradients; passes/fp8.py):
+        "none", "auto" (each matmul, tied across blocks, where the cost model predicts a gain
+        at its local shape), "all" (every candidate: matmuls that read a 2-D weight), or a
+        tuple of weight names or block-tied patterns (``"layers.*.attn.q_proj.weight"``).
+    fp8_recipe: how FP8 matmuls scale and cast, one of FP8_RECIPES (tensorwise: one amax per
+        tensor, e5m2 gradients; rowwise: one per row, e4m3; rowwise_with_gw_hp: rowwise with the
+        weight gradient in high precision).
     fp32_grad_accum: keep an fp32 gradient buffer (nanotron's default; +4 bytes per parameter).
     """
 
@@ -56,6 +69,8 @@ class Layout:
     recompute: str = "none"
     precision: str | None = None
     fp32_grad_accum: bool = True
+    fp8: str | tuple[str, ...] = "none"
+    fp8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatch", "grad_accum", "virtual_stages"):
@@ -72,6 +87,15 @@ class Layout:
             raise LayoutError(f"Layout.recompute={self.recompute!r}: choose one of {RECOMPUTE}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise LayoutError(f"Layout.precision={self.precision!r}: choose one of {PRECISIONS}")
+        if isinstance(self.fp8, list):  # from JSON
+            object.__setattr__(self, "fp8", tuple(self.fp8))
+        if isinstance(self.fp8, str) and self.fp8 not in FP8_CHOICES:
+            raise LayoutError(f"Layout.fp8={self.fp8!r}: choose one of {FP8_CHOICES}, or a tuple of "
+                              "weight names / patterns such as 'layers.*.mlp.up_proj.weight'")
+        if isinstance(self.fp8, tuple) and not all(isinstance(p, str) for p in self.fp8):
+            raise LayoutError(f"Layout.fp8={self.fp8!r}: a tuple of weight names (strings)")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise LayoutError(f"Layout.fp8_recipe={self.fp8_recipe!r}: choose one of {FP8_RECIPES}")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(
                 f"Layout.ep={self.ep} must divide dp*cp={self.dp * self.cp}: expert parallelism "
@@ -95,7 +119,12 @@ class Layout:
     @property
     def resolved(self) -> bool:
         """Every derived field (microbatch, grad_accum, precision) is set."""
-        return None not in (self.microbatch, self.grad_accum, self.precision)
+        return None not in (self.microbatch, self.grad_accum, self.precision) and self.precision != "fp8"
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Some matmuls may run in FP8 (``fp8`` other than "none" or empty, or precision "fp8")."""
+        return self.precision == "fp8" or self.fp8 not in ("none", ())
 
     @property
     def global_batch(self) -> int:
@@ -129,8 +158,12 @@ class Layout:
                                       f"{per_rank} sequences, not a multiple of microbatch={mb}; "
                                       "choose a microbatch that divides it")
                 ga = per_rank // mb
-        return dataclasses.replace(self, microbatch=mb, grad_accum=ga,
-                                   precision=self.precision or precision)
+        fp8 = self.fp8
+        own = self.precision or precision
+        if own == "fp8":  # shorthand: the base precision, every weight matmul in FP8
+            own = precision if precision != "fp8" else "bf16"
+            fp8 = "all" if fp8 == "none" else fp8
+        return dataclasses.replace(self, microbatch=mb, grad_accum=ga, precision=own, fp8=fp8)
 
     def replace(self, **changes) -> Layout:
         """A copy with some fields changed (validated again)."""
@@ -156,6 +189,13 @@ class Layout:
             parts.append(f"rc-{self.recompute}")
         if self.precision not in ("bf16", None):
             parts.append(self.precision)
+        if isinstance(self.fp8, tuple):
+            if self.fp8:
+                parts.append(f"fp8x{len(self.fp8)}")
+        elif self.fp8 != "none":
+            parts.append(f"fp8-{self.fp8}")
+        if self.uses_fp8 and self.fp8_recipe != "tensorwise":
+            parts.append(self.fp8_recipe)
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -189,7 +229,5 @@ def unsupported_decisions(layout: Layout) -> list[str]:
         out.append(f"context parallelism (cp={layout.cp})")
     if layout.ep > 1:
         out.append(f"expert parallelism (ep={layout.ep})")
-    # recompute "selective" and "full" run (passes/recompute.py): nothing to refuse
-    if layout.precision == "fp8":
-        out.append("FP8 matmuls (precision='fp8')")
+    # recompute "selective" and "full" run (passes/recompute.py), FP8 matmuls too (passes/fp8.py)
     return out

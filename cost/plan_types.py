@@ -115,6 +115,8 @@ class PlanDecisions:
     stages: list[tuple[int, int]] = field(default_factory=list)  # (first, last block) per stage
     recompute: list[str] = field(default_factory=list)  # forward values recomputed in backward
     fp8: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
+    # FP8 candidates the plan keeps in high precision ("auto": FP8 would not pay at their shape)
+    fp8_high: list[str] = field(default_factory=list)
     comm: CommPlan = field(default_factory=CommPlan)
     fallbacks: list[Fallback] = field(default_factory=list)
 
@@ -152,6 +154,7 @@ class PlanDecisions:
             "stages": [list(s) for s in self.stages],
             "recompute": list(self.recompute),
             "fp8": list(self.fp8),
+            "fp8_high": list(self.fp8_high),
             "comm": asdict(self.comm),
             "fallbacks": [asdict(f) for f in self.fallbacks],
         }
@@ -169,6 +172,7 @@ class PlanDecisions:
             stages=[tuple(s) for s in data["stages"]],
             recompute=list(data["recompute"]),
             fp8=list(data["fp8"]),
+            fp8_high=list(data.get("fp8_high", [])),
             comm=CommPlan(**data["comm"]),
             fallbacks=[Fallback(**f) for f in data["fallbacks"]],
         )

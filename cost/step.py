@@ -46,6 +46,7 @@ from cost.terms.compute import (
     FP8_CAST_BYTES_PER_INPUT_BYTE,
     FRAMEWORK_EFFICIENCY,
     compute_per_stage,
+    fp8_group,
     host_overhead_per_stage,
     node_times,
     params_per_stage,
@@ -153,8 +154,18 @@ def check_layout(facts: StepFacts, cluster: Cluster, layout: Layout) -> None:
             f"ep={layout.ep} needs a mixture-of-experts model whose expert count it divides "
             f"(this model has {facts.n_experts} experts)"
         )
-    if layout.precision == "fp8" and "fp8" not in cluster.gpu.peak_flops:
-        raise LayoutError(f"precision='fp8' but {cluster.gpu.name} has no FP8 tensor cores; use bf16")
+    if isinstance(layout.fp8, tuple):
+        weights = set(facts.nodes.fp8_weight[facts.nodes.fp8_weight != ""].tolist())
+        known = weights | {fp8_group(w) for w in weights}
+        unknown = [p for p in layout.fp8 if p not in known]
+        if unknown:
+            raise LayoutError(f"fp8={unknown}: no weight read by a matmul has that name; fix: use "
+                              "fp8='auto' or 'all', or name FP8 candidates: "
+                              f"{sorted({fp8_group(w) for w in weights}) or 'none'}")
+    if layout.fp8 != "none" and layout.fp8 != "auto" and "fp8" not in cluster.gpu.peak_flops \
+            and not cluster.gpu.is_cpu:
+        raise LayoutError(f"fp8={layout.fp8!r} but {cluster.gpu.name} has no FP8 tensor cores: use "
+                          "fp8='none' (or 'auto', which picks none there)")
 
 
 def predict_memory(facts: StepFacts, cluster: Cluster, layout: Layout, check: bool = True) -> MemoryBreakdown:

@@ -58,6 +58,10 @@ class NodeTable:
     is_matmul: np.ndarray
     fp8_act_bytes: np.ndarray  # activation input bytes an fp8 weight matmul must cast
     fp8_const_bytes: np.ndarray  # weight bytes it must cast
+    # the weight whose matmul this is ("" for any other node: an FP8 candidate or not), as
+    # passes/fp8.py finds them; fp8_wgrad: it is that weight's gradient matmul
+    fp8_weight: np.ndarray
+    fp8_wgrad: np.ndarray
     forward: np.ndarray
     launch: np.ndarray  # the node starts a kernel (first node of its fusion group)
     hides_gather: np.ndarray  # column matmul: an SP all-gather of its input overlaps it

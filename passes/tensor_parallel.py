@@ -99,6 +99,7 @@ def apply_tensor_parallel(
     whether SP is on. The traced graph keeps the placeholder and output order of ``gm``.
     """
     _register_cpu_attention()
+    _register_scaled_mm()
     inputs = signature.inputs
     param_placements = {n: to_dtensor_placement(p) for n, p in plan.placements.items()}
     grad_outputs = {i: n for n, i in signature.grad_index.items()}
@@ -123,13 +124,31 @@ def apply_tensor_parallel(
     with fx_traceback.preserve_node_meta(), torch.no_grad(), loss_parallel():
         traced = make_fx(interp.run, tracing_mode="fake")(*examples)
     for node in traced.graph.nodes:
-        reason = node.meta.get("custom", {}).get("autopar")
+        custom = node.meta.get("custom", {})
+        reason = custom.get("autopar")
         if reason and str(node.target).startswith(_COLLECTIVE_PREFIX):
             node.meta["autopar"] = reason
+        elif custom.get("autopar_fp8"):  # the FP8 pass's casts and scaled matmuls
+            node.meta["autopar"] = custom["autopar_fp8"]
     traced.graph.eliminate_dead_code()
+    _refuse_fp8_moves(traced)
     traced.recompile()
     named = {name: tuple(s) for (kind, name), s in zip(inputs, local_shapes) if kind == "param"}
     return TensorParallelGraph(traced, named, sorted(interp.fallback_ops))
+
+
+def _refuse_fp8_moves(traced: fx.GraphModule) -> None:
+    """FP8 data never crosses ranks: a collective on it means DTensor gathers an FP8 matmul's
+    operand (no sharding rule for its placements), and gloo cannot move FP8 at all."""
+    for node in traced.graph.nodes:
+        if not str(node.target).startswith(_COLLECTIVE_PREFIX) or not node.args:
+            continue
+        val = getattr(node.args[0], "meta", {}).get("val")
+        if isinstance(val, torch.Tensor) and val.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(
+                f"TP would move FP8 data ({node.args[0]}: {node.meta.get('autopar', '')}); the FP8 "
+                "matmul reading it has no sharding rule for its operands' placements. Run its weight "
+                "in high precision (leave it out of Layout.fp8) or use tp=1")
 
 
 def _local_shape(shape, placement, t: int) -> tuple[int, ...]:
@@ -217,10 +236,13 @@ class _Interpreter:
                 raise AssertionError(f"a partial sum outside the graph's values at {node}")
             target, how = Replicate(), "all-reduce"
             seq = _sequence_dim(x, *self.tokens)
-            if self.sp and seq is not None and x.shape[seq] % self.mesh.size() == 0:
+            summed = all(p.reduce_op == "sum" for p in x.placements if p.is_partial())
+            if self.sp and summed and seq is not None and x.shape[seq] % self.mesh.size() == 0:
                 target, how = Shard(seq), "reduce-scatter onto the sequence (SP)"
-            with _why(f"TP: {how} the partial sums of {arg_node} (row-/vocab-parallel output) "
-                      f"before {_op_name(node)}"):
+            # a max over shards (an FP8 scale's amax) is reduced whole: every rank scales alike
+            what = f"the partial sums of {arg_node} (row-/vocab-parallel output)" if summed else \
+                f"(max) the amax {arg_node} over the TP shards (an FP8 scale)"
+            with _why(f"TP: {how} {what} before {_op_name(node)}"):
                 env[arg_node] = x.redistribute(self.mesh, [target])  # once, for every consumer
             return env[arg_node]
 
@@ -320,10 +342,11 @@ def _partial_sum(node, args) -> bool:
     if not tensors:
         return True
     partial = [any(p.is_partial() for p in a.placements) for a in tensors]
+    summed = [type(a.placements[0]) is Partial and a.placements[0].reduce_op == "sum" for a in tensors]
     if node.target in (aten.add.Tensor, aten.sub.Tensor) and all(partial):
-        return all(type(a.placements[0]) is Partial for a in tensors)
+        return all(summed)
     if node.target is aten.mul.Tensor and len(tensors) == 1:
-        return type(tensors[0].placements[0]) is Partial
+        return summed[0]
     return False
 
 
@@ -437,3 +460,37 @@ def _register_cpu_attention() -> None:
             strategies.append(([Shard(dim)] * 3,
                                [Shard(dim)] * 6 + [None, None, *mask(attn_mask, Shard(dim))]))
         return strategies
+
+
+_SCALED_MM_REGISTERED = False
+
+
+def _register_scaled_mm() -> None:
+    """FP8 matmuls (passes/fp8.py) shard as matmuls do; a rowwise scale follows its operand's
+    rows (A) or columns (B), a tensorwise one is replicated. DTensor's own rule gathers a
+    K-sharded operand under rowwise scales, though a partial sum with global scales is exact:
+    sum_r (A8_r / s_A)(B8_r / s_B) = (A8 / s_A)(B8 / s_B)."""
+    global _SCALED_MM_REGISTERED
+    if _SCALED_MM_REGISTERED:
+        return
+    _SCALED_MM_REGISTERED = True
+    # DTensor consults its single-dim rules before registered strategies: drop its rule
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.op_single_dim_strategy_funcs.pop(aten._scaled_mm.default, None)
+    cache_clear = getattr(propagator.propagate_op_sharding, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+    @register_sharding(aten._scaled_mm.default)
+    def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                   use_fast_accum=False):
+        def along(scale, placement):  # a rowwise scale [M, 1] / [1, N] follows the split
+            return placement if len(scale.shape) == 2 and scale.shape[placement.dim] > 1 else Replicate()
+
+        rep = Replicate()
+        return [
+            ([rep], [rep, rep, rep, rep]),
+            ([Shard(0)], [Shard(0), rep, along(scale_a, Shard(0)), rep]),  # rows of A (tokens)
+            ([Shard(1)], [rep, Shard(1), rep, along(scale_b, Shard(1))]),  # column-parallel
+            ([Partial()], [Shard(1), Shard(0), rep, rep]),  # row-parallel: a partial sum
+        ]

@@ -43,6 +43,32 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
+def train_and_compare_step(pm, ref, batch, label, opt, ref_opt) -> list[tuple]:
+    """One step on both (``opt`` / ``ref_opt`` step them): every mismatch of the loss, a
+    gradient or an updated parameter, with its size."""
+    failures = []
+    named_ref = dict(ref.named_parameters())
+    loss = pm(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    if not close(loss, ref_loss.detach()):
+        failures.append((*label, "loss", loss.item(), ref_loss.item()))
+    for pname, p in pm.named_parameters():
+        if not close(p.grad.full_tensor(), named_ref[pname].grad):
+            diff = (p.grad.full_tensor() - named_ref[pname].grad).abs().max().item()
+            failures.append((*label, f"grad {pname}", diff))
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for pname, p in pm.named_parameters():
+        if not close(p.full_tensor(), named_ref[pname].detach()):
+            diff = (p.full_tensor() - named_ref[pname]).abs().max().item()
+            failures.append((*label, "updated", pname, diff))
+    return failures
+
+
 def train_and_compare(pm, ref, batch, label, steps: int = 3,
                       optimizers: Sequence[Callable] = (adamw,)) -> list[tuple]:
     """``steps`` steps on both under each optimizer in turn; every mismatch of loss, gradient or

@@ -13,10 +13,12 @@ forward values from the kept ones (after TP: the chains start from TP's collecti
 repeat them; before DP: ZeRO-3 gathers the weights a recomputed matmul reads for the backward,
 as for the backward's own matmuls), the data-parallel pass (passes/data_parallel.py) then adds
 gradient reduction and ZeRO over the "dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP
-and their products (a ("dp", "tp") mesh), recompute "selective" and "full", with gradient
+and their products (a ("dp", "tp") mesh), recompute "selective" and "full", FP8 matmuls
+(passes/fp8.py: before TP, whose DTensors reduce a sharded amax over TP; the DP ranks' amaxes
+are all-reduced after it, `reduce_scales`), with gradient
 accumulation (the step captured for one micro-batch and run grad_accum times; see
 runtime/executor.py), in the model's own dtype. Any other decision (pipeline, context or expert
-parallelism, FP8, a precision other than the model's) is an `UnsupportedLayoutError` naming it:
+parallelism, a precision other than the model's) is an `UnsupportedLayoutError` naming it:
 a plan runs exactly as planned or not at all.
 
 Buffers the forward updates (BatchNorm statistics) are written back on every rank; under data
@@ -54,6 +56,8 @@ from cost.layout import unsupported_decisions
 from cost.plan_types import AxisGroup, AxisPlacement, Fallback, GraphSignature, PlanDecisions
 from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
+from passes.fp8 import RECIPES as FP8_RECIPES
+from passes.fp8 import apply_fp8, reduce_scales
 from passes.recompute import apply_recompute, values_to_recompute
 from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
 from passes.token_count import token_counter, weight_loss_by_seed
@@ -208,6 +212,8 @@ def parallelize(
     counter = token_counter(graph.gm, signature)
     gm, shapes = graph.gm, dict(graph.param_shapes)
     decisions = chosen.decisions
+    if decisions.fp8:  # before TP: the TP pass shards the casts and reduces sharded amaxes
+        apply_fp8(gm, signature, decisions.fp8, FP8_RECIPES[lay.fp8_recipe])
     # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
     fallbacks: list[Fallback] = list(decisions.fallbacks) if lay.tp > 1 else []
     if lay.tp > 1:
@@ -237,6 +243,8 @@ def parallelize(
             "strict=True: these ops would run replicated under tensor parallelism: "
             + ", ".join(f.op for f in fallbacks) + "; use a layout without TP (tp=1), or strict=False "
             "to accept the replication (listed in pm.plan.fallbacks)")
+    if decisions.fp8 and lay.dp > 1:  # scales over all DP ranks' tokens, as on one device
+        reduce_scales(gm, AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh)))
     if lay.recompute != "none":
         # the plan lists what is recomputed, value by value, as it runs
         decisions.recompute = _recomputed(None, lay, _recompute(gm, graph, lay.recompute, lay.tp > 1))

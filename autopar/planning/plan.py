@@ -137,10 +137,23 @@ class Plan:
             lines.append("pipeline stages: " + ", ".join(
                 f"{i}: blocks {a}-{b}" for i, (a, b) in enumerate(self.stages)))
         lines.append("recompute: " + (_fold(self.recompute) if self.recompute else "none"))
-        lines.append("fp8 matmuls: " + (_fold(self.fp8) if self.fp8 else "none"))
+        lines.append(self._fp8_line())
         lines.append("fallbacks: " + ("; ".join(f"{f.op} ({f.reason})" for f in self.fallbacks)
                                       if self.fallbacks else "none"))
         return "\n".join(lines)
+
+    def _fp8_line(self) -> str:
+        """Which weight matmuls run in FP8, under which recipe, and which stay high."""
+        lay = self.layout
+        if not self.fp8:
+            why = " (none chosen: FP8 would not pay at these shapes)" if lay.uses_fp8 else ""
+            return "fp8 matmuls: none" + why
+        how = {"auto": "chosen per matmul by predicted gain", "all": "every weight matmul"}.get(
+            lay.fp8, "as asked") if isinstance(lay.fp8, str) else "as asked"
+        line = f"fp8 matmuls ({lay.fp8_recipe} scales, {how}): {_fold(self.fp8)}"
+        if self.decisions.fp8_high:
+            line += "\n  kept in high precision: " + _fold(self.decisions.fp8_high)
+        return line
 
     def _placement_table(self) -> str:
         """Placements grouped by parameter pattern (block indices folded into '*')."""

@@ -12,10 +12,10 @@ import re
 
 import numpy as np
 
-from autopar.strategies.tp_recipe import VOCAB
 from cost import Cluster, Layout
 from cost.plan_types import AxisPlacement, CommPlan, Fallback, ParamPlan, PlanDecisions
 from cost.step import StepFacts, stage_of, zero_reduction
+from cost.terms.compute import fp8_candidates, fp8_nodes
 
 
 def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
@@ -26,7 +26,8 @@ def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
         params=params,
         stages=_stages(facts, cluster, layout),
         recompute=_recomputed(facts, layout),
-        fp8=_fp8_weights(facts, layout),
+        fp8=_fp8_weights(facts, cluster, layout),
+        fp8_high=_fp8_kept_high(facts, cluster, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter"),
         fallbacks=[Fallback(op, "no sharding strategy on its inputs: gathered, run replicated")
                    for op in facts.tp_fallbacks] if layout.tp > 1 else [],
@@ -88,9 +89,16 @@ def _recomputed(facts: StepFacts | None, layout: Layout,
     return [f"block {i}: {what}" for i in range(facts.n_layers)]
 
 
-def _fp8_weights(facts: StepFacts, layout: Layout) -> list[str]:
-    """Weights whose matmuls run in FP8 (every 2-D weight but the embedding, for now)."""
-    if layout.precision != "fp8":
+def _fp8_weights(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str]:
+    """The weights whose matmuls run in FP8: the layout's ``fp8`` resolved (`fp8_choice`:
+    "auto" by the predicted gain of each block-tied group), as passes/fp8.py rewrites them."""
+    nodes = fp8_nodes(facts, cluster, layout)
+    return sorted(set(facts.nodes.fp8_weight[nodes].tolist()))
+
+
+def _fp8_kept_high(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str]:
+    """FP8 candidates the layout leaves in high precision (none unless it uses FP8)."""
+    if not layout.uses_fp8:
         return []
-    return [n for n, shape in facts.param_shape.items()
-            if len(shape) == 2 and facts.tp_roles.get(n) != VOCAB]
+    candidates = set(facts.nodes.fp8_weight[fp8_candidates(facts, layout)].tolist())
+    return sorted(candidates - set(_fp8_weights(facts, cluster, layout)))

@@ -19,7 +19,9 @@ from autopar.analysis.graph import GraphAnalysis
 from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
+from cost.plan_types import GraphSignature
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
+from passes.fp8 import weight_matmuls
 from passes.recompute import is_backward, values_to_recompute
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -27,7 +29,8 @@ _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 _NODE_DTYPES = {
     "name": str, "flops": float, "vflops": float, "bytes_act": float, "bytes_const": float,
     "batch_dep": bool, "tp_div": bool, "sp_div": bool, "is_matmul": bool,
-    "fp8_act_bytes": float, "fp8_const_bytes": float, "forward": bool, "launch": bool,
+    "fp8_act_bytes": float, "fp8_const_bytes": float, "fp8_weight": str, "fp8_wgrad": bool,
+    "forward": bool, "launch": bool,
     "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
     "attention_kv_bytes": float, "rerun_selective": bool, "rerun_full": bool,
 }
@@ -56,6 +59,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
     blocks = analysis.blocks
     n_layers = blocks.count if blocks else 0
     layer_eff = _effective_layers(nodes, analysis, n_layers)
+    fp8_roles = _fp8_roles(graph)
     bd = tp.batch_dependent
     expert_prefixes = _expert_modules(graph)
 
@@ -77,9 +81,8 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         kv = 0
         if is_attn:
             kv = sum(analysis.nodes[a.name].nbytes for a in node.args[1:3] if isinstance(a, torch.fx.Node))
-        param_mm = node.name in tp.sharded_matmul or (
-            info.is_matmul and any(i.name in tp.weight_of for i in node.all_input_nodes)
-        )
+        fp8_weight, fp8_role = fp8_roles.get(node.name, ("", ""))
+        param_mm = bool(fp8_weight)
         arrays["name"].append(node.name)
         arrays["flops"].append(info.executed_flops)
         arrays["vflops"].append(info.vector_flops)
@@ -94,6 +97,8 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         arrays["is_matmul"].append(info.is_matmul or info.flops > 0)
         arrays["fp8_act_bytes"].append(act_in if param_mm else 0)
         arrays["fp8_const_bytes"].append(const_in if param_mm else 0)
+        arrays["fp8_weight"].append(fp8_weight)
+        arrays["fp8_wgrad"].append(fp8_role == "weight_grad")
         arrays["forward"].append(info.phase == "forward")
         arrays["layer"].append(layer_eff[node.name])
         arrays["is_attention"].append(is_attn)
@@ -323,3 +328,17 @@ def _recompute_marks(graph: TrainingGraph,
         out[mode] = (kept, rebuilt)
         reruns[mode] = set(copied)
     return out, reruns
+
+
+def _fp8_roles(graph: TrainingGraph) -> dict[str, tuple[str, str]]:
+    """matmul node -> (its weight, "forward" | "input_grad" | "weight_grad"): the FP8
+    candidates exactly as passes/fp8.py rewrites them."""
+    holders = [n.name for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    signature = GraphSignature(inputs=[(i.kind, i.name) for i in graph.inputs], placeholders=holders,
+                               grad_index={o.name: o.index for o in graph.outputs if o.kind == "grad"},
+                               loss_index=next(o.index for o in graph.outputs if o.kind == "loss"))
+    out: dict[str, tuple[str, str]] = {}
+    for weight, mms in weight_matmuls(graph.gm, signature).items():
+        for role in ("forward", "input_grad", "weight_grad"):
+            out.update({name: (weight, role) for name in getattr(mms, role)})
+    return out

@@ -60,7 +60,8 @@ def candidate_layouts(
     eps = [e for e in divisors(facts.n_experts)] if facts.n_experts else [1]
     # the model's precision (`autopar.planning.planner.model_precision`), FP8 matmuls on request
     base = precision or default_precision(cluster)
-    precisions = (base, "fp8") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else (base,)
+    # FP8: the per-matmul choice by cost ("auto", `cost.terms.compute.fp8_choice`)
+    fp8s = ("none", "auto") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else ("none",)
     for tp in tps:
         for cp in cps:
             for pp in divisors(world // (tp * cp)) if world % (tp * cp) == 0 else []:
@@ -85,17 +86,17 @@ def candidate_layouts(
                         # the choices below are independent of each other
                         choices = itertools.product(
                             (False, True) if tp > 1 else (False,),
-                            precisions,
+                            fp8s,
                             schedules,
                             (0, 1, 2, 3) if dp * cp > 1 else (0,),  # ZeRO shards over dp*cp
                             ("none", "selective", "full"),
                         )
-                        for sp, precision, (schedule, v), zero, recompute in choices:
+                        for sp, fp8, (schedule, v), zero, recompute in choices:
                             try:
                                 yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
                                              microbatch=mb, grad_accum=ga, schedule=schedule,
                                              virtual_stages=v, recompute=recompute,
-                                             precision=precision)
+                                             precision=base, fp8=fp8)
                             except LayoutError:
                                 continue
 

@@ -3,6 +3,9 @@ pipeline stage for one micro-batch on one device."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 
 from cost.cluster import Cluster
@@ -19,9 +22,14 @@ from cost.terms.common import resolved
 # the playbook's measured DP=8 throughput of its 1.34B model (nanotron on 8xH100, 40,150
 # tok/s/GPU), where the kernel roofline alone predicts 47,124: 40,150 / 47,124 = 0.85.
 FRAMEWORK_EFFICIENCY = 0.85
-# fp8 matmuls first cast their bf16 inputs: read 2 bytes, write 1 per element, i.e. 1.5 bytes
-# moved per input byte (torchao's Float8 recipe: a cast kernel per input, tensorwise scales).
-FP8_CAST_BYTES_PER_INPUT_BYTE = 1.5
+# FP8 matmuls first cast their inputs (passes/fp8.py): the amax reads the input once, the
+# scale-and-cast reads it again and writes one byte per element (half a bf16 input's bytes):
+# 2.5 bytes moved per input byte, as fused kernels run it (torchao's compiled casts).
+FP8_CAST_BYTES_PER_INPUT_BYTE = 2.5
+# torch 2.13's CPU `_scaled_mm` (it runs the FP8 numerics on CPU ranks): measured on the 2-core
+# dev box, 2026-12-01, 0.03-0.05 GFLOP/s for 128x64x64 to 512x256x256 (fp32 matmul there:
+# 110-230 GFLOP/s). FP8 runs on CPU ranks when asked, and "auto" never picks it there.
+CPU_FP8_MATMUL_FLOPS = 5e7
 
 
 def compute_dtype(gpu: GPUSpec, precision: str) -> str:
@@ -66,7 +74,8 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
 
 def _times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
     return ("times", cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
-            layout.tp, layout.cp, layout.sp, layout.microbatch, layout.precision, facts.batch)
+            layout.tp, layout.cp, layout.sp, layout.microbatch, facts.batch, layout.precision,
+            layout.fp8, layout.fp8_recipe)
 
 
 def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -79,14 +88,74 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     vflops = n.vflops * act_scale / div
     nbytes = (n.bytes_act * scale / cp + n.bytes_const) / div
     dtype = np.full(flops.shape, compute_dtype(gpu, lay.precision))
-    if lay.precision == "fp8":
-        # only weight matmuls run in FP8, after casting their inputs; attention stays bf16
-        fp8 = (n.fp8_act_bytes + n.fp8_const_bytes) > 0
+    fp8 = fp8_nodes(facts, cluster, lay)
+    if fp8.any():
+        # the chosen weight matmuls run in FP8 after casting their inputs; attention stays
+        if "fp8" not in gpu.peak_flops and gpu.is_cpu:
+            gpu = dataclasses.replace(gpu, peak_flops={**gpu.peak_flops, "fp8": CPU_FP8_MATMUL_FLOPS})
         dtype = np.where(fp8, "fp8", dtype)
         cast = (n.fp8_act_bytes * scale / cp + n.fp8_const_bytes) / div
         nbytes = nbytes + np.where(fp8, cast * FP8_CAST_BYTES_PER_INPUT_BYTE, 0.0)
     return roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                           cluster.params.gemm_half_scale)
+
+
+def fp8_candidates(facts: StepFacts, layout: Layout) -> np.ndarray:
+    """Nodes that may run in FP8 under the layout's recipe: weight matmuls (the weight
+    gradient's only where the recipe casts it)."""
+    n = facts.nodes
+    candidate = n.fp8_weight != ""
+    if layout.fp8_recipe == "rowwise_with_gw_hp":
+        candidate &= ~n.fp8_wgrad
+    if layout.tp > 1:
+        # a fused projection split per part (GPT-2's qkv: _StridedShard) has no FP8 matmul rule
+        # under TP: DTensor would gather its FP8 operands; it stays in high precision
+        fused = [w for w, parts in facts.param_tp_parts.items() if parts > 1]
+        candidate &= ~np.isin(n.fp8_weight, fused)
+    return candidate
+
+
+def fp8_nodes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """Which nodes run in FP8 under ``layout`` (its ``fp8`` resolved: `fp8_choice`)."""
+    chosen = fp8_choice(facts, cluster, layout)
+    if not chosen:
+        return np.zeros(len(facts.nodes), dtype=bool)
+    groups = np.array([fp8_group(w) for w in facts.nodes.fp8_weight], dtype=str)
+    wanted = np.isin(facts.nodes.fp8_weight, list(chosen)) | np.isin(groups, list(chosen))
+    return fp8_candidates(facts, layout) & wanted
+
+
+def fp8_group(weight: str) -> str:
+    """A weight's block-tied FP8 name (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``;
+    the same rule as passes/fp8.py's `group_of`)."""
+    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", weight) if weight else ""
+
+
+def fp8_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[str, ...]:
+    """The weight groups (`fp8_group`) whose matmuls run in FP8 under ``layout``.
+
+    "none": none; "all": every candidate; a tuple: those; "auto": each group whose FP8 matmuls,
+    casts included, are predicted faster than in the layout's precision at their local shape
+    (summed over the group's blocks, forward and backward). CPU ranks have no FP8 tensor cores:
+    "auto" picks nothing there (`CPU_FP8_MATMUL_FLOPS`).
+    """
+    layout = resolved(facts, cluster, layout)
+    groups = sorted({fp8_group(w) for w in facts.nodes.fp8_weight[fp8_candidates(facts, layout)]})
+    if layout.fp8 == "none" or not groups:
+        return ()
+    if layout.fp8 == "all":
+        return tuple(groups)
+    if isinstance(layout.fp8, tuple):
+        return tuple(layout.fp8)
+    if "fp8" not in cluster.gpu.peak_flops and not cluster.gpu.is_cpu:
+        return ()  # no FP8 tensor cores (A100): nothing to gain
+    key = ("fp8_choice", *_times_key(facts, cluster, layout))
+    if key not in facts._memo:
+        high = node_times(facts, cluster, layout.replace(fp8="none"))
+        low = node_times(facts, cluster, layout.replace(fp8="all"))
+        of = np.array([fp8_group(w) for w in facts.nodes.fp8_weight], dtype=str)
+        facts._memo[key] = tuple(g for g in groups if low[of == g].sum() < high[of == g].sum())
+    return facts._memo[key]
 
 
 def step_node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
