@@ -55,6 +55,8 @@ _MATMULS = {aten.mm.default, aten.addmm.default}
 _SAME_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # the key of the custom meta the pass's scale nodes carry (it survives the TP pass's retrace)
 SCALE_TAG = "autopar_fp8_scale"
+# the custom-meta key naming the matmul (of the graph before the pass) a new node serves
+FP8_FOR = "autopar_fp8_for"
 
 
 @dataclass(frozen=True)
@@ -218,15 +220,16 @@ class _Rewriter:
             raise ValueError(f"{node}: an addmm with beta or alpha is not an FP8 candidate")
         a, b = _operands(node)
         reason = f"FP8 ({self.recipe.name}): {role} matmul of {weight}"
+        # fp8_for: the matmul a node serves (its block, for the recompute pass's rules)
         meta = {"partitioner_tag": node.meta.get("partitioner_tag"), "autopar": reason,
-                "custom": {"autopar_fp8": reason}}
+                "custom": {"autopar_fp8": reason, FP8_FOR: node.name}}
         rowwise = self.recipe.scaling == "rowwise"
-        grad_fmt = self.recipe.grad_format if role != "forward" else "e4m3"
-        # tokens run along M of A in the forward and input gradient, along K in dW = dY^T X
-        tokens = {"A": 1, "B": 0} if role == "weight gradient" else {"A": 0, "B": None}
+        # tokens run along M (A) or N (B) of the forward and the input gradient (where the
+        # operand is no weight), along K of the weight gradient (dY^T X, or Conv1D's X^T dY)
+        tokens = {"A": 1, "B": 0} if role == "weight gradient" else {"A": 0, "B": 1}
         # rowwise: A [M, K] is scaled along K (dim 1), B [K, N] along K (dim 0)
-        a8, sa = self._operand(a, 1 if rowwise else None, grad_fmt, tokens["A"], node, meta)
-        b8, sb = self._operand(b, 0 if rowwise else None, "e4m3", tokens["B"], node, meta)
+        a8, sa = self._operand(a, 1 if rowwise else None, tokens["A"], node, meta)
+        b8, sb = self._operand(b, 0 if rowwise else None, tokens["B"], node, meta)
         g = self.graph
         with g.inserting_before(node):
             a8 = _layout(g, a8, row_major=True, meta=meta)
@@ -241,8 +244,8 @@ class _Rewriter:
         g.erase_node(node)
         return out
 
-    def _operand(self, x: fx.Node, k_dim: int | None, fmt: str, token_dim: int | None,
-                 matmul: fx.Node, meta: dict) -> tuple[fx.Node, fx.Node]:
+    def _operand(self, x: fx.Node, k_dim: int | None, token_dim: int, matmul: fx.Node,
+                 meta: dict) -> tuple[fx.Node, fx.Node]:
         """(x8, 1 / scale) for matmul operand ``x``. A transposed operand is cast at its source
         (one cast then serves the readers of either orientation) and transposed after."""
         source, flipped = x, False
@@ -254,8 +257,10 @@ class _Rewriter:
         is_weight = _base(source) in self.params
         # the amax spans other DP ranks' tokens: a tensorwise amax of an activation or a
         # gradient, a rowwise one along the tokens
-        over_tokens = not is_weight and token_dim is not None and (k_dim is None or k_dim == token_dim)
-        kind = "the weight" if is_weight else "a gradient" if _is_backward(source) else "an activation"
+        over_tokens = not is_weight and (k_dim is None or k_dim == token_dim)
+        gradient = _is_backward(source) and not is_weight
+        kind = "the weight" if is_weight else "a gradient" if gradient else "an activation"
+        fmt = self.recipe.grad_format if gradient else "e4m3"
         key = (_value_key(source), dims, fmt, _is_backward(matmul))
         if key not in self.cache:
             self.cache[key] = self._cast(source, dims, fmt, f"{kind} ({source.name})", over_tokens,

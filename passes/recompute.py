@@ -42,7 +42,7 @@ _COLLECTIVE_NAMESPACES = {"_c10d_functional", "c10d_functional", "_c10d_function
 _RANDOM = {"native_dropout", "dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like",
            "randint", "randint_like", "randperm", "normal", "uniform", "multinomial", "poisson"}
 # outputs selective recomputation keeps: the expensive matmuls and attention
-_HEAVY = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution",
+_HEAVY = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm",
           "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
           "scaled_dot_product_attention", "_flash_attention_forward", "_efficient_attention_forward"}

@@ -28,10 +28,10 @@ def _cast(t: torch.Tensor, dim: int | None, fmt: torch.dtype) -> tuple[torch.Ten
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, rowwise: bool, a_fmt: torch.dtype,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, b_fmt: torch.dtype = E4M3) -> torch.Tensor:
     """A @ B in FP8: A [M, K] scaled along K per row (rowwise), B [K, N] per column."""
     a8, sa = _cast(a, 1 if rowwise else None, a_fmt)
-    b8, sb = _cast(b, 0 if rowwise else None, E4M3)
+    b8, sb = _cast(b, 0 if rowwise else None, b_fmt)
     return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), sa.contiguous(),
                             sb.contiguous(), out_dtype=out_dtype)
 
@@ -72,13 +72,58 @@ class Fp8Linear(nn.Module):
         return _Fp8Linear.apply(x, self.weight, self.bias, self.recipe)
 
 
+class _Fp8Conv1D(torch.autograd.Function):
+    """transformers' Conv1D (GPT-2): y = x W + b with W stored [in, out]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        rowwise = RECIPES[recipe][0]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = fp8_matmul(x2, weight, rowwise, E4M3, x.dtype) + bias
+        return y.reshape(*x.shape[:-1], weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        rowwise, grad_fmt, wgrad_fp8 = RECIPES[ctx.recipe]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = fp8_matmul(dy2, weight.t(), rowwise, grad_fmt, dy.dtype).reshape(x.shape)
+        dw = fp8_matmul(x2.t(), dy2, rowwise, E4M3, dy.dtype, b_fmt=grad_fmt) if wgrad_fp8 else x2.t() @ dy2
+        return dx, dw, dy2.sum(0), None
+
+
+class Fp8Conv1D(nn.Module):
+    """Wraps a transformers ``Conv1D`` (sharing its parameters) with FP8 matmuls."""
+
+    def __init__(self, conv, recipe: str) -> None:
+        super().__init__()
+        self.weight, self.bias, self.recipe = conv.weight, conv.bias, recipe
+
+    def forward(self, x):
+        return _Fp8Conv1D.apply(x, self.weight, self.bias, self.recipe)
+
+
+def fp8_layer_weights(model: nn.Module) -> set[str]:
+    """Names (as ``named_parameters`` gives them) of the weights `to_fp8` converts."""
+    ids = {id(m.weight) for m in model.modules()
+           if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
 def to_fp8(model: nn.Module, recipe: str = "tensorwise", weights: set[str] | None = None) -> nn.Module:
-    """``model`` with its ``nn.Linear`` layers in FP8, in place: all of them, or those whose
-    weight is (or is tied to) one of ``weights`` (e.g. a plan's ``plan.fp8``)."""
+    """``model`` with its ``nn.Linear`` (and transformers ``Conv1D``) layers in FP8, in place:
+    all of them, or those whose weight is (or is tied to) one of ``weights`` (``plan.fp8``)."""
     chosen = None if weights is None else {
         id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in weights}
     for _, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and (chosen is None or id(child.weight) in chosen):
+            if chosen is not None and id(getattr(child, "weight", None)) not in chosen:
+                continue
+            if isinstance(child, nn.Linear):
                 setattr(module, child_name, Fp8Linear(child, recipe))
+            elif type(child).__name__ == "Conv1D":
+                setattr(module, child_name, Fp8Conv1D(child, recipe))
     return model

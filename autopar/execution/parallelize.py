@@ -56,8 +56,8 @@ from cost.layout import unsupported_decisions
 from cost.plan_types import AxisGroup, AxisPlacement, Fallback, GraphSignature, PlanDecisions
 from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
+from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales
 from passes.fp8 import RECIPES as FP8_RECIPES
-from passes.fp8 import apply_fp8, reduce_scales
 from passes.recompute import apply_recompute, values_to_recompute
 from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
 from passes.token_count import token_counter, weight_loss_by_seed
@@ -212,6 +212,9 @@ def parallelize(
     counter = token_counter(graph.gm, signature)
     gm, shapes = graph.gm, dict(graph.param_shapes)
     decisions = chosen.decisions
+    # each node's block, read before any pass rewrites the graph (the recompute pass's rules)
+    layers = ({name: info.layer for name, info in analyze(graph).nodes.items()}
+              if lay.recompute != "none" else {})
     if decisions.fp8:  # before TP: the TP pass shards the casts and reduces sharded amaxes
         apply_fp8(gm, signature, decisions.fp8, FP8_RECIPES[lay.fp8_recipe])
     # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
@@ -247,7 +250,7 @@ def parallelize(
         reduce_scales(gm, AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh)))
     if lay.recompute != "none":
         # the plan lists what is recomputed, value by value, as it runs
-        decisions.recompute = _recomputed(None, lay, _recompute(gm, graph, lay.recompute, lay.tp > 1))
+        decisions.recompute = _recomputed(None, lay, _recompute(gm, layers, lay.recompute, lay.tp > 1))
     weight_loss_by_seed(gm, signature)
     accumulate_gm = None
     inputs = list(signature.inputs)
@@ -284,12 +287,12 @@ def parallelize(
                           local_batch=local_batch, unloaded=unloaded)
 
 
-def _recompute(gm, graph, mode: str, retraced: bool) -> dict[int, list[str]]:
+def _recompute(gm, layers: dict[str, int | None], mode: str, retraced: bool) -> dict[int, list[str]]:
     """Apply the recompute pass to this rank's graph ``gm``; block -> the saved values it
-    rebuilds. Blocks come from the analysis of the captured ``graph``; a graph the TP pass
-    retraced names each node's source in the captured graph in ``meta["from_node"]``."""
-    layers = {name: info.layer for name, info in analyze(graph).nodes.items()}
-    per_node = {n.name: layers.get(_source(n) if retraced else n.name) for n in gm.graph.nodes}
+    rebuilds. ``layers``: the block of each node of the captured graph (its analysis); a graph
+    the TP pass retraced names each node's source in ``meta["from_node"]``, a node of the FP8
+    pass the matmul it serves (its casts are that matmul's block's)."""
+    per_node = {n.name: layers.get(_source(n, retraced)) for n in gm.graph.nodes}
     result = apply_recompute(gm, values_to_recompute(gm, per_node, mode))
     executed: dict[int, list[str]] = {}
     for name in result.recomputed:
@@ -297,8 +300,11 @@ def _recompute(gm, graph, mode: str, retraced: bool) -> dict[int, list[str]]:
     return executed
 
 
-def _source(node) -> str:
-    sources = node.meta.get("from_node") or []
+def _source(node, retraced: bool = True) -> str:
+    served = node.meta.get("custom", {}).get(FP8_FOR)
+    if served:
+        return served
+    sources = (node.meta.get("from_node") or []) if retraced else []
     return sources[0].name if sources else node.name
 
 

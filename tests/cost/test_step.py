@@ -140,3 +140,22 @@ def test_cpu_ranks_expose_all_communication(llama_step):
     assert tp_small_collectives(facts, cpu, no_sp, 1.0, facts.n_layers, group).sum() < small.sum()
     cpu_tp = predict(facts, cpu, lay).time_breakdown["tp_comm_s"]
     assert cpu_tp >= small.sum()
+
+
+def test_fp8_auto_keeps_fp8_only_where_it_pays(llama_step):
+    # llama3-8b widths at tp=8 and one 1024-token sequence per micro-batch: the attention
+    # projections' local shapes are too small for the casts to pay, the MLP's are not
+    from cost.terms.compute import fp8_choice
+
+    facts = llama_step[3].facts()
+    lay = Layout(tp=8, sp=True, microbatch=1)
+    times = {f: predict(facts, H100_8, lay.replace(fp8=f)).step_time_s for f in ("none", "all", "auto")}
+    assert times["auto"] < min(times["none"], times["all"])
+    chosen = fp8_choice(facts, H100_8, lay.replace(fp8="auto"))
+    assert "layers.*.mlp.up_proj.weight" in chosen and "layers.*.attn.k_proj.weight" not in chosen
+    # CPU ranks have no FP8 tensor cores: "auto" picks nothing there, "all" is priced as asked
+    cpu = Cluster.local(ranks=8)
+    assert fp8_choice(facts, cpu, lay.replace(fp8="auto")) == ()
+    assert predict(facts, cpu, lay.replace(fp8="all")).step_time_s > predict(facts, cpu, lay).step_time_s
+    with pytest.raises(LayoutError, match="no weight read by a matmul"):
+        predict(facts, H100_8, lay.replace(fp8=("layers.*.nope.weight",)))

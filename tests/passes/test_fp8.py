@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from fp8_reference import to_fp8
+from fp8_reference import fp8_layer_weights, to_fp8
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -50,21 +50,30 @@ def _case(name):
     if name == "plain":
         torch.manual_seed(0)
         return PlainMLP(), (torch.randn(4, 5, 12), torch.randn(4, 5, 6))
-    if name == "hf-llama":
+    if name.startswith("hf-"):
         import hf_tiny
-        return hf_tiny.build("llama"), hf_tiny.batch(size=2)
+        return hf_tiny.build(name[3:]), hf_tiny.batch(size=2)
     return models.build(name, seed=0), models.example_inputs(name, batch=2, seq=16)
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "plain", "hf-llama"])
+MODELS = ["tiny-llama", "tiny-gpt2", "tiny-mixtral", "plain", "hf-llama", "hf-gpt2", "hf-qwen2",
+          "hf-phi3", "hf-mixtral"]
+# every model under tensorwise, every recipe on a zoo, a plain and a Conv1D model; the rest slow
+FAST = {(m, "tensorwise") for m in MODELS} | {(m, r) for m in ("tiny-llama", "plain", "hf-gpt2")
+                                             for r in RECIPES}
+
+
+@pytest.mark.parametrize("name, recipe", [
+    (m, r) if (m, r) in FAST else pytest.param(m, r, marks=pytest.mark.slow)
+    for m in MODELS for r in sorted(RECIPES)])
 def test_pass_equals_eager_fp8_linears(name, recipe):
     model, inputs = _case(name)
     graph = capture(model, inputs)
     sig = _signature(graph)
-    candidates = weight_matmuls(graph.gm, sig)
-    result = apply_fp8(graph.gm, sig, sorted({group_of(w) for w in candidates}), RECIPES[recipe])
-    assert set(result.matmuls) == set(candidates)
+    layers = fp8_layer_weights(model)  # the reference's: nn.Linear and Conv1D weights
+    assert layers <= set(weight_matmuls(graph.gm, sig))  # (the pass finds others: Mixtral's router)
+    result = apply_fp8(graph.gm, sig, sorted(layers), RECIPES[recipe])
+    assert set(result.matmuls) == layers
     params = {k: v.detach() for k, v in model.named_parameters()}
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     loss, grads = graph.run(params, *inputs, buffers=buffers)
@@ -146,3 +155,28 @@ def test_dp_reduces_the_amaxes_over_tokens_only(recipe, per_block):
     reduced = [n for n in graph.gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
     assert all(n.args[1] == "max" and "DP ranks' tokens" in n.meta["autopar"] for n in reduced)
     assert not any("the weight" in n.meta["autopar"] for n in reduced)
+
+
+def test_recompute_composes_with_fp8():
+    # the casts belong to their matmul's block: full recompute still rebuilds each block from
+    # its input (before: casts outside the blocks made every matmul input a kept block output)
+    from autopar.execution.parallelize import _recompute
+    from runtime.memory import peak_live_bytes
+
+    model = models.build("tiny-llama", seed=0)
+    batch = models.example_inputs("tiny-llama", batch=4, seq=64)
+    extra = {}
+    for mode in ("none", "full"):
+        graph = capture(model, batch)
+        layers = {name: info.layer for name, info in analyze(graph).nodes.items()}
+        sig = _signature(graph)
+        apply_fp8(graph.gm, sig, sorted({group_of(w) for w in weight_matmuls(graph.gm, sig)}),
+                  RECIPES["tensorwise"])
+        if mode == "full":
+            assert _recompute(graph.gm, layers, mode, retraced=False)
+        params = dict(model.named_parameters())
+        primals = [params[i.name] if i.kind == "param" else batch[int(i.name[len("input"):])]
+                   for i in graph.inputs if i.kind in ("param", "input")]
+        with torch.no_grad():
+            extra[mode] = peak_live_bytes(graph.gm, *primals, torch.ones(())).extra_bytes
+    assert extra["full"] <= 0.6 * extra["none"], extra
