@@ -145,6 +145,27 @@ def weight_matmuls(gm: fx.GraphModule, signature: GraphSignature) -> dict[str, W
     return {w: m for w, m in found.items() if m.forward}
 
 
+def cast_shares(gm: fx.GraphModule, signature: GraphSignature) -> dict[str, dict[str, float]]:
+    """matmul -> its operand (node name) -> the share of that operand's cast the matmul pays:
+    1 / the number of FP8 candidate matmuls of the same phase reading the same value, as
+    `apply_fp8` shares one cast among them (q, k and v one cast of x; tensorwise, the input
+    and weight gradients one of dY) when all of them run in FP8. For the cost model."""
+    names = {n for m in weight_matmuls(gm, signature).values() for n in m.all()}
+    readers: dict[tuple, set[str]] = {}
+    keys: dict[str, dict[str, tuple]] = {}
+    for node in gm.graph.nodes:
+        if node.name not in names:
+            continue
+        for operand in _operands(node):
+            source = operand
+            while source.target is aten.t.default:
+                source = source.args[0]
+            key = (_value_key(source), _is_backward(node))
+            readers.setdefault(key, set()).add(node.name)
+            keys.setdefault(node.name, {})[operand.name] = key
+    return {m: {op: 1 / len(readers[key]) for op, key in ops.items()} for m, ops in keys.items()}
+
+
 def apply_fp8(gm: fx.GraphModule, signature: GraphSignature, weights: Iterable[str],
               recipe: Fp8Recipe) -> Fp8Result:
     """Rewrite ``gm`` in place: the matmuls of ``weights`` (names or `group_of` patterns) run

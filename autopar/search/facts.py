@@ -21,7 +21,7 @@ from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
 from cost.plan_types import GraphSignature
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
-from passes.fp8 import weight_matmuls
+from passes.fp8 import cast_shares, weight_matmuls
 from passes.recompute import is_backward, values_to_recompute
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -59,7 +59,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
     blocks = analysis.blocks
     n_layers = blocks.count if blocks else 0
     layer_eff = _effective_layers(nodes, analysis, n_layers)
-    fp8_roles = _fp8_roles(graph)
+    fp8_roles, fp8_shares = _fp8_roles(graph)
     bd = tp.batch_dependent
     expert_prefixes = _expert_modules(graph)
 
@@ -83,6 +83,12 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
             kv = sum(analysis.nodes[a.name].nbytes for a in node.args[1:3] if isinstance(a, torch.fx.Node))
         fp8_weight, fp8_role = fp8_roles.get(node.name, ("", ""))
         param_mm = bool(fp8_weight)
+        if param_mm:  # the casts it pays: a cast shared with other matmuls, its share
+            share = fp8_shares.get(node.name, {})
+            fp8_act = sum(analysis.nodes[i.name].nbytes * share.get(i.name, 1.0)
+                          for i in ext_inputs[node.name] if bd.get(i.name))
+            fp8_const = sum(analysis.nodes[i.name].nbytes * share.get(i.name, 1.0)
+                            for i in ext_inputs[node.name] if not bd.get(i.name))
         arrays["name"].append(node.name)
         arrays["flops"].append(info.executed_flops)
         arrays["vflops"].append(info.vector_flops)
@@ -95,8 +101,8 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         arrays["tp_div"].append(tp_div)
         arrays["sp_div"].append(state == "R" and out_bd and not tp_div)
         arrays["is_matmul"].append(info.is_matmul or info.flops > 0)
-        arrays["fp8_act_bytes"].append(act_in if param_mm else 0)
-        arrays["fp8_const_bytes"].append(const_in if param_mm else 0)
+        arrays["fp8_act_bytes"].append(fp8_act if param_mm else 0)
+        arrays["fp8_const_bytes"].append(fp8_const if param_mm else 0)
         arrays["fp8_weight"].append(fp8_weight)
         arrays["fp8_wgrad"].append(fp8_role == "weight_grad")
         arrays["forward"].append(info.phase == "forward")
@@ -330,9 +336,10 @@ def _recompute_marks(graph: TrainingGraph,
     return out, reruns
 
 
-def _fp8_roles(graph: TrainingGraph) -> dict[str, tuple[str, str]]:
+def _fp8_roles(graph: TrainingGraph) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, float]]]:
     """matmul node -> (its weight, "forward" | "input_grad" | "weight_grad"): the FP8
-    candidates exactly as passes/fp8.py rewrites them."""
+    candidates exactly as passes/fp8.py rewrites them; and the share of each operand's cast
+    each pays (`passes.fp8.cast_shares`)."""
     holders = [n.name for n in graph.gm.graph.nodes if n.op == "placeholder"]
     signature = GraphSignature(inputs=[(i.kind, i.name) for i in graph.inputs], placeholders=holders,
                                grad_index={o.name: o.index for o in graph.outputs if o.kind == "grad"},
@@ -341,4 +348,4 @@ def _fp8_roles(graph: TrainingGraph) -> dict[str, tuple[str, str]]:
     for weight, mms in weight_matmuls(graph.gm, signature).items():
         for role in ("forward", "input_grad", "weight_grad"):
             out.update({name: (weight, role) for name in getattr(mms, role)})
-    return out
+    return out, cast_shares(graph.gm, signature)

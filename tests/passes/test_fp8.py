@@ -19,7 +19,7 @@ from autopar.models.configs import config
 from autopar.strategies.tp_recipe import find_tp_recipe
 from cost.layout import FP8_RECIPES
 from cost.plan_types import AxisGroup, AxisPlacement, GraphSignature, TensorParallelPlan
-from passes.fp8 import RECIPES, apply_fp8, group_of, reduce_scales, weight_matmuls
+from passes.fp8 import RECIPES, apply_fp8, cast_shares, group_of, reduce_scales, weight_matmuls
 from passes.tensor_parallel import apply_tensor_parallel
 from runtime.mesh import fake_world
 
@@ -96,6 +96,10 @@ def test_each_weight_has_its_three_matmuls_and_casts_are_shared():
     found = weight_matmuls(graph.gm, sig)
     q = found["layers.1.attn.q_proj.weight"]
     assert (len(q.forward), len(q.input_grad), len(q.weight_grad)) == (1, 1, 1)
+    # the cost model's view of the sharing: q, k and v each pay a third of x's forward cast
+    shares = cast_shares(graph.gm, sig)
+    x_share = [s for op, s in shares[q.forward[0]].items() if not op.startswith("t")]
+    assert x_share == [pytest.approx(1 / 3)]
     assert "embed.weight" not in found or found["embed.weight"].forward  # the gather is no matmul
     result = apply_fp8(graph.gm, sig, ["layers.*.attn.q_proj.weight", "layers.*.attn.k_proj.weight"],
                        RECIPES["tensorwise"])
