@@ -46,6 +46,7 @@ from cost.terms.compute import (
     FP8_CAST_BYTES_PER_INPUT_BYTE,
     FRAMEWORK_EFFICIENCY,
     compute_per_stage,
+    fp8_candidates,
     fp8_group,
     host_overhead_per_stage,
     node_times,
@@ -162,6 +163,14 @@ def check_layout(facts: StepFacts, cluster: Cluster, layout: Layout) -> None:
             raise LayoutError(f"fp8={unknown}: no weight read by a matmul has that name; fix: use "
                               "fp8='auto' or 'all', or name FP8 candidates: "
                               f"{sorted({fp8_group(w) for w in weights}) or 'none'}")
+        runnable = set(facts.nodes.fp8_weight[fp8_candidates(facts, layout)].tolist())
+        excluded = [p for p in layout.fp8 if not any(p in (w, fp8_group(w)) for w in runnable)]
+        if excluded:  # asked for by name, it would silently stay in high precision
+            raise LayoutError(
+                f"fp8={excluded} cannot run in FP8 under {layout.short()}: a fused projection "
+                "split per part over TP (GPT-2's qkv) has no FP8 matmul rule, and a high-precision "
+                "weight-gradient recipe leaves nothing of a matmul that reads no weight; fix: "
+                "leave it out of fp8, or use tp=1")
     if layout.fp8 != "none" and layout.fp8 != "auto" and "fp8" not in cluster.gpu.peak_flops \
             and not cluster.gpu.is_cpu:
         raise LayoutError(f"fp8={layout.fp8!r} but {cluster.gpu.name} has no FP8 tensor cores: use "

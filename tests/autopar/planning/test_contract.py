@@ -130,3 +130,17 @@ def test_summary_lists_what_runs():
     assert plan.recompute and "recompute" in text
     assert plan.fp8 and all(name in plan.placements for name in plan.fp8)
     assert "fallbacks: none" in text
+
+
+def test_fp8_asked_by_name_never_silently_stays_high():
+    # GPT-2's fused qkv split per part over TP has no FP8 rule: asked for by name, an error
+    model = models.build("tiny-gpt2", device="meta")
+    inputs = models.example_inputs("tiny-gpt2", batch=4, seq=16, device="meta")
+    cluster = autopar.Cluster("h100", nodes=1, gpus_per_node=2)
+    with pytest.raises(autopar.LayoutError, match="cannot run in FP8"):
+        autopar.plan(model, inputs, cluster=cluster,
+                     layout=autopar.Layout(tp=2, fp8=("layers.*.attn.qkv.weight",)))
+    plan = autopar.plan(model, inputs, cluster=cluster, layout=autopar.Layout(tp=2, fp8="all"))
+    assert plan.fp8 and not any("qkv" in w for w in plan.fp8)  # "all": every weight that can
+    one = autopar.plan(model, inputs, cluster=cluster, layout=autopar.Layout(dp=2, fp8="all"))
+    assert any("qkv" in w for w in one.fp8)
