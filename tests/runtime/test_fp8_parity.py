@@ -127,6 +127,7 @@ def _local_scales_worker(rank: int, world: int) -> list[tuple]:
     return _worker(rank, world, [("tiny-llama", "tensorwise", {"dp": 2})])
 
 
+@pytest.mark.slow
 def test_local_dp_scales_would_be_caught():
     # the parity check is not blind to the scales: without the DP amax all-reduce it fails
     failures = spawn(_local_scales_worker, 2, timeout_s=600)
