@@ -14,6 +14,7 @@ TP shard, DTensor's ``_StridedShard(0, sf=tp)``), and a fused projection split p
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from cost.layout import Layout
@@ -176,6 +177,13 @@ class PlanDecisions:
             comm=CommPlan(**data["comm"]),
             fallbacks=[Fallback(**f) for f in data["fallbacks"]],
         )
+
+
+def fp8_group(weight: str) -> str:
+    """The name a weight's FP8 decision is tied under: block indices replaced by ``*``
+    (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``): alike blocks decide alike.
+    The plan's vocabulary for `Layout.fp8`, shared by the cost model and passes/fp8.py."""
+    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", weight) if weight else ""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from cost.comm import axis_group, collective_time
 from cost.layout import Layout, LayoutError
 from cost.memory import MemoryBreakdown, buffer_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
+from cost.plan_types import fp8_group
 from cost.precision import recipe
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from cost.terms.common import (
@@ -47,7 +48,6 @@ from cost.terms.compute import (
     FRAMEWORK_EFFICIENCY,
     compute_per_stage,
     fp8_candidates,
-    fp8_group,
     host_overhead_per_stage,
     node_times,
     params_per_stage,

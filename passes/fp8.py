@@ -33,7 +33,6 @@ micro-batches. Every node the pass adds carries ``meta["autopar"]``: the decisio
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,6 +40,7 @@ import torch
 from torch import fx
 
 from cost.plan_types import AxisGroup, GraphSignature
+from cost.plan_types import fp8_group as group_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -101,12 +101,6 @@ class Fp8Result:
     casts: int
 
 
-def group_of(weight: str) -> str:
-    """The name a weight's FP8 decision is tied under: block indices replaced by ``*``
-    (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``): alike blocks decide alike."""
-    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", weight)
-
-
 def matches(weight: str, patterns: Iterable[str]) -> bool:
     """Whether ``weight`` is one of ``patterns`` (weight names or `group_of` names)."""
     group = group_of(weight)
@@ -130,7 +124,7 @@ def weight_matmuls(gm: fx.GraphModule, signature: GraphSignature) -> dict[str, W
             reads[node] = reads[node.args[0]]
     found: dict[str, WeightMatmuls] = {}
     for node in gm.graph.nodes:
-        if node.target in _MATMULS and not _scaled(node):
+        if node.target in _MATMULS:
             a, b = _operands(node)
             weight = reads.get(b) or reads.get(a)
             if weight is not None:
@@ -145,12 +139,13 @@ def weight_matmuls(gm: fx.GraphModule, signature: GraphSignature) -> dict[str, W
     return {w: m for w, m in found.items() if m.forward}
 
 
-def cast_shares(gm: fx.GraphModule, signature: GraphSignature) -> dict[str, dict[str, float]]:
+def cast_shares(gm: fx.GraphModule, found: dict[str, WeightMatmuls]) -> dict[str, dict[str, float]]:
     """matmul -> its operand (node name) -> the share of that operand's cast the matmul pays:
     1 / the number of FP8 candidate matmuls of the same phase reading the same value, as
     `apply_fp8` shares one cast among them (q, k and v one cast of x; tensorwise, the input
-    and weight gradients one of dY) when all of them run in FP8. For the cost model."""
-    names = {n for m in weight_matmuls(gm, signature).values() for n in m.all()}
+    and weight gradients one of dY) when all of them run in FP8. ``found``: `weight_matmuls`'s
+    answer for ``gm``. For the cost model."""
+    names = {n for m in found.values() for n in m.all()}
     readers: dict[tuple, set[str]] = {}
     keys: dict[str, dict[str, tuple]] = {}
     for node in gm.graph.nodes:
@@ -260,7 +255,6 @@ class _Rewriter:
             if node.target is aten.addmm.default:
                 out = _new(g, aten.add.Tensor, (out, node.args[0]), {}, meta)
         out.meta["val"] = node.meta["val"]
-        out.meta["fp8_of"] = node.name
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return out
@@ -369,10 +363,6 @@ def _producing_matmuls(node: fx.Node) -> list[fx.Node]:
     if node.op == "call_function" and node.target is aten.add.Tensor:
         return [m for a in node.args if isinstance(a, fx.Node) for m in _producing_matmuls(a)]
     return []
-
-
-def _scaled(node: fx.Node) -> bool:
-    return "fp8_of" in node.meta
 
 
 def _is_backward(node: fx.Node) -> bool:

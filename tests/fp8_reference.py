@@ -28,10 +28,10 @@ def _cast(t: torch.Tensor, dim: int | None, fmt: torch.dtype) -> tuple[torch.Ten
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, rowwise: bool, a_fmt: torch.dtype,
-               out_dtype: torch.dtype, b_fmt: torch.dtype = E4M3) -> torch.Tensor:
-    """A @ B in FP8: A [M, K] scaled along K per row (rowwise), B [K, N] per column."""
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """A @ B in FP8: A [M, K] scaled along K per row (rowwise), B [K, N] per column (e4m3)."""
     a8, sa = _cast(a, 1 if rowwise else None, a_fmt)
-    b8, sb = _cast(b, 0 if rowwise else None, b_fmt)
+    b8, sb = _cast(b, 0 if rowwise else None, E4M3)
     return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), sa.contiguous(),
                             sb.contiguous(), out_dtype=out_dtype)
 
@@ -72,38 +72,17 @@ class Fp8Linear(nn.Module):
         return _Fp8Linear.apply(x, self.weight, self.bias, self.recipe)
 
 
-class _Fp8Conv1D(torch.autograd.Function):
-    """transformers' Conv1D (GPT-2): y = x W + b with W stored [in, out]."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe):
-        ctx.save_for_backward(x, weight)
-        ctx.recipe = recipe
-        rowwise = RECIPES[recipe][0]
-        x2 = x.reshape(-1, x.shape[-1])
-        y = fp8_matmul(x2, weight, rowwise, E4M3, x.dtype) + bias
-        return y.reshape(*x.shape[:-1], weight.shape[1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        rowwise, grad_fmt, wgrad_fp8 = RECIPES[ctx.recipe]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        dx = fp8_matmul(dy2, weight.t(), rowwise, grad_fmt, dy.dtype).reshape(x.shape)
-        dw = fp8_matmul(x2.t(), dy2, rowwise, E4M3, dy.dtype, b_fmt=grad_fmt) if wgrad_fp8 else x2.t() @ dy2
-        return dx, dw, dy2.sum(0), None
-
-
 class Fp8Conv1D(nn.Module):
-    """Wraps a transformers ``Conv1D`` (sharing its parameters) with FP8 matmuls."""
+    """Wraps a transformers ``Conv1D`` (GPT-2; sharing its parameters) with FP8 matmuls."""
 
     def __init__(self, conv, recipe: str) -> None:
         super().__init__()
         self.weight, self.bias, self.recipe = conv.weight, conv.bias, recipe
 
     def forward(self, x):
-        return _Fp8Conv1D.apply(x, self.weight, self.bias, self.recipe)
+        # y = x W + b with W stored [in, out]: the FP8 linear of W^T (its gradient comes back
+        # through the transpose)
+        return _Fp8Linear.apply(x, self.weight.t(), self.bias, self.recipe)
 
 
 def fp8_layer_weights(model: nn.Module) -> set[str]:

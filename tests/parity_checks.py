@@ -43,9 +43,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def train_and_compare_step(pm, ref, batch, label, opt, ref_opt) -> list[tuple]:
-    """One step on both (``opt`` / ``ref_opt`` step them): every mismatch of the loss, a
-    gradient or an updated parameter, with its size."""
+def _step_both(pm, ref, batch, label, opt, ref_opt) -> list[tuple]:
+    """One step on both: every mismatch of the loss or a gradient (labelled ``label``)."""
     failures = []
     named_ref = dict(ref.named_parameters())
     loss = pm(*batch)
@@ -62,11 +61,23 @@ def train_and_compare_step(pm, ref, batch, label, opt, ref_opt) -> list[tuple]:
     ref_opt.step()
     opt.zero_grad()
     ref_opt.zero_grad()
+    return failures
+
+
+def _param_mismatches(pm, ref, label) -> list[tuple]:
+    named_ref = dict(ref.named_parameters())
+    failures = []
     for pname, p in pm.named_parameters():
         if not close(p.full_tensor(), named_ref[pname].detach()):
             diff = (p.full_tensor() - named_ref[pname]).abs().max().item()
-            failures.append((*label, "updated", pname, diff))
+            failures.append((*label, pname, diff))
     return failures
+
+
+def train_and_compare_step(pm, ref, batch, label, opt, ref_opt) -> list[tuple]:
+    """One step on both (``opt`` / ``ref_opt`` step them): every mismatch of the loss, a
+    gradient or an updated parameter, with its size."""
+    return _step_both(pm, ref, batch, label, opt, ref_opt) + _param_mismatches(pm, ref, (*label, "updated"))
 
 
 def train_and_compare(pm, ref, batch, label, steps: int = 3,
@@ -74,26 +85,9 @@ def train_and_compare(pm, ref, batch, label, steps: int = 3,
     """``steps`` steps on both under each optimizer in turn; every mismatch of loss, gradient or
     parameter (after each optimizer's steps), with its size."""
     failures = []
-    named_ref = dict(ref.named_parameters())
     for make in optimizers:
         opt, ref_opt = make(pm.parameters()), make(ref.parameters())
         for step in range(steps):
-            loss = pm(*batch)
-            loss.backward()
-            ref_loss = ref(*batch)
-            ref_loss.backward()
-            if not close(loss, ref_loss.detach()):
-                failures.append((*label, make.__name__, step, "loss", loss.item(), ref_loss.item()))
-            for pname, p in pm.named_parameters():
-                if not close(p.grad.full_tensor(), named_ref[pname].grad):
-                    diff = (p.grad.full_tensor() - named_ref[pname].grad).abs().max().item()
-                    failures.append((*label, make.__name__, step, f"grad {pname}", diff))
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        for pname, p in pm.named_parameters():
-            if not close(p.full_tensor(), named_ref[pname].detach()):
-                diff = (p.full_tensor() - named_ref[pname]).abs().max().item()
-                failures.append((*label, f"params after {steps} {make.__name__} steps", pname, diff))
+            failures += _step_both(pm, ref, batch, (*label, make.__name__, step), opt, ref_opt)
+        failures += _param_mismatches(pm, ref, (*label, f"params after {steps} {make.__name__} steps"))
     return failures

@@ -345,7 +345,8 @@ def _fp8_roles(graph: TrainingGraph) -> tuple[dict[str, tuple[str, str]], dict[s
                                grad_index={o.name: o.index for o in graph.outputs if o.kind == "grad"},
                                loss_index=next(o.index for o in graph.outputs if o.kind == "loss"))
     out: dict[str, tuple[str, str]] = {}
-    for weight, mms in weight_matmuls(graph.gm, signature).items():
+    found = weight_matmuls(graph.gm, signature)
+    for weight, mms in found.items():
         for role in ("forward", "input_grad", "weight_grad"):
             out.update({name: (weight, role) for name in getattr(mms, role)})
-    return out, cast_shares(graph.gm, signature)
+    return out, cast_shares(graph.gm, found)

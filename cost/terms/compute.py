@@ -4,7 +4,6 @@ pipeline stage for one micro-batch on one device."""
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import numpy as np
 
@@ -12,6 +11,7 @@ from cost.cluster import Cluster
 from cost.compute import gemm_efficiency
 from cost.hardware import GPUSpec
 from cost.layout import Layout
+from cost.plan_types import fp8_group
 from cost.stages import balanced_cuts
 from cost.step_facts import StepFacts
 from cost.terms.common import resolved
@@ -123,12 +123,6 @@ def fp8_nodes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     groups = np.array([fp8_group(w) for w in facts.nodes.fp8_weight], dtype=str)
     wanted = np.isin(facts.nodes.fp8_weight, list(chosen)) | np.isin(groups, list(chosen))
     return fp8_candidates(facts, layout) & wanted
-
-
-def fp8_group(weight: str) -> str:
-    """A weight's block-tied FP8 name (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``;
-    the same rule as passes/fp8.py's `group_of`)."""
-    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", weight) if weight else ""
 
 
 def fp8_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[str, ...]:
