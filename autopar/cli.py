@@ -166,6 +166,9 @@ def _layout_value(key: str, value: str):
         raise UsageError(f"--layout {key}={value}: {key} is on or off; fix: write {key}=1 or {key}=0")
     if key == "fp8":  # none | auto | all, or weight names / patterns joined by "+"
         return value if value in FP8_CHOICES else tuple(v for v in value.split("+") if v)
+    if key == "recompute" and value not in RECOMPUTE and ("." in value or ":" in value):
+        # matmul / attention groups joined by "+": selective plus their outputs
+        return tuple(v for v in value.split("+") if v)
     if key in _CHOICE_FIELDS:
         choices = _CHOICE_FIELDS[key]
         if value in choices:
@@ -339,6 +342,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_fp8_bench(quick=args.quick)
         print(format_fp8_bench(result))
+    elif args.what == "recompute":
+        from autopar.bench.recompute import format_recompute_bench, run_recompute_bench
+
+        result = run_recompute_bench(quick=args.quick)
+        print(format_recompute_bench(result))
     else:  # argparse restricts the choices
         raise ValueError(args.what)
     _write_json(args.json or f"results/bench-{args.what}.json", result)
@@ -517,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dump)
 
     p = add("bench", help="benchmarks: tables plus JSON in results/")
-    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime", "playbook", "fp8"])
+    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime", "playbook", "fp8",
+                                       "recompute"])
     p.add_argument("--quick", action="store_true", help="fewer points")
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
     p.add_argument("--calibration", help="runtime: predict with this `autopar calibrate` file "

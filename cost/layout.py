@@ -15,7 +15,10 @@ import json
 from dataclasses import dataclass
 
 SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zero-bubble")
-RECOMPUTE = ("none", "selective", "full")
+# activation recomputation (passes/recompute.py): none, element-wise values, every value of a
+# block but its output, or the cost model's choice per heavy group (cost/terms/recompute.py);
+# or a tuple of heavy groups ("layers.*.mlp.up_proj.weight"): selective plus those matmul outputs
+RECOMPUTE = ("none", "selective", "full", "auto")
 PRECISIONS = ("fp32", "bf16", "fp8")
 # which weight matmuls run in FP8: none, the cost model's choice, every candidate (or a tuple of
 # weight names / block-tied patterns such as "layers.*.mlp.up.weight")
@@ -41,7 +44,13 @@ class Layout:
         when neither is given, microbatch = batch / dp / grad_accum, grad_accum = batch / dp /
         microbatch.
     schedule: pipeline schedule, one of SCHEDULES; virtual_stages: chunks per rank (interleaved).
-    recompute: activation recomputation, one of RECOMPUTE.
+    recompute: activation recomputation, one of RECOMPUTE: "none", "selective" (element-wise
+        values), "full" (every value of a block but its output), "auto" (the fastest choice
+        that fits: none, selective, full, or selective plus some matmul outputs, tied across
+        blocks, by their bytes against their recompute seconds at the local shape), or a tuple
+        of those outputs' groups: selective plus them (``"layers.*.mlp.up_proj.weight"``, named
+        by the weight; one block's name stands for its group; `Plan.recompute_groups` lists
+        them).
     precision: compute precision, one of PRECISIONS; None: derived by `resolve` (the model's own
         dtype; see `autopar.plan`). "fp8" is shorthand: `resolve` turns it into the model's
         precision with ``fp8="all"`` (when fp8 is "none"): every weight matmul in FP8.
@@ -66,7 +75,7 @@ class Layout:
     grad_accum: int | None = None
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    recompute: str = "none"
+    recompute: str | tuple[str, ...] = "none"
     precision: str | None = None
     fp32_grad_accum: bool = True
     fp8: str | tuple[str, ...] = "none"
@@ -83,8 +92,14 @@ class Layout:
             raise LayoutError(f"Layout.zero={self.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
             raise LayoutError(f"Layout.schedule={self.schedule!r}: choose one of {SCHEDULES}")
-        if self.recompute not in RECOMPUTE:
-            raise LayoutError(f"Layout.recompute={self.recompute!r}: choose one of {RECOMPUTE}")
+        if isinstance(self.recompute, list):  # from JSON
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        if isinstance(self.recompute, tuple):
+            if not all(isinstance(g, str) for g in self.recompute):
+                raise LayoutError(f"Layout.recompute={self.recompute!r}: a tuple of heavy groups (strings)")
+        elif self.recompute not in RECOMPUTE:
+            raise LayoutError(f"Layout.recompute={self.recompute!r}: choose one of {RECOMPUTE}, or "
+                              "a tuple of matmul groups such as 'layers.*.mlp.up_proj.weight'")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise LayoutError(f"Layout.precision={self.precision!r}: choose one of {PRECISIONS}")
         if isinstance(self.fp8, list):  # from JSON
@@ -185,7 +200,9 @@ class Layout:
             parts.append(f"ga{self.grad_accum}")
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        if self.recompute != "none":
+        if isinstance(self.recompute, tuple):
+            parts.append(f"rc-selective+{len(self.recompute)}" if self.recompute else "rc-selective")
+        elif self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
         if self.precision not in ("bf16", None):
             parts.append(self.precision)

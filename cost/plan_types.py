@@ -107,6 +107,24 @@ class CommPlan:
     reduce_scatter: bool = True  # ZeRO reduces by reduce-scatter (False: all-reduce, gloo)
 
 
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """What the recompute pass rebuilds (passes/recompute.py): ``mode`` "none", "selective"
+    (element-wise values; matmul and attention outputs kept) or "full" (every forward value of
+    a block but its output), and under "selective" the heavy groups whose outputs are rebuilt
+    as well (``outputs``: names as `passes.recompute.heavy_groups` gives them, tied across
+    blocks): a partial choice between selective and full."""
+
+    mode: str = "none"
+    outputs: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line: the mode and what a partial choice adds."""
+        if self.mode == "selective" and self.outputs:
+            return "selective + the outputs of " + ", ".join(self.outputs)
+        return self.mode
+
+
 @dataclass
 class PlanDecisions:
     """Every decision of a plan, as plain data (see the module docstring)."""
@@ -115,6 +133,8 @@ class PlanDecisions:
     params: dict[str, ParamPlan]
     stages: list[tuple[int, int]] = field(default_factory=list)  # (first, last block) per stage
     recompute: list[str] = field(default_factory=list)  # forward values recomputed in backward
+    # what the recompute pass runs ("auto" resolved): the decision parallelize executes
+    recompute_choice: RecomputeChoice = field(default_factory=RecomputeChoice)
     fp8: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
     # FP8 candidates the plan keeps in high precision ("auto": FP8 would not pay at their shape)
     fp8_high: list[str] = field(default_factory=list)
@@ -154,6 +174,8 @@ class PlanDecisions:
                        for n, p in self.params.items()},
             "stages": [list(s) for s in self.stages],
             "recompute": list(self.recompute),
+            "recompute_choice": {"mode": self.recompute_choice.mode,
+                                 "outputs": list(self.recompute_choice.outputs)},
             "fp8": list(self.fp8),
             "fp8_high": list(self.fp8_high),
             "comm": asdict(self.comm),
@@ -172,6 +194,7 @@ class PlanDecisions:
                     for n, p in data["params"].items()},
             stages=[tuple(s) for s in data["stages"]],
             recompute=list(data["recompute"]),
+            recompute_choice=_recompute_choice(data),
             fp8=list(data["fp8"]),
             fp8_high=list(data.get("fp8_high", [])),
             comm=CommPlan(**data["comm"]),
@@ -179,11 +202,23 @@ class PlanDecisions:
         )
 
 
-def fp8_group(weight: str) -> str:
-    """The name a weight's FP8 decision is tied under: block indices replaced by ``*``
-    (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``): alike blocks decide alike.
-    The plan's vocabulary for `Layout.fp8`, shared by the cost model and passes/fp8.py."""
-    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", weight) if weight else ""
+def _recompute_choice(data: dict) -> RecomputeChoice:
+    """A plan's recompute choice; plans written before it existed name a mode in the layout."""
+    if "recompute_choice" in data:
+        return RecomputeChoice(data["recompute_choice"]["mode"], tuple(data["recompute_choice"]["outputs"]))
+    mode = data["layout"].get("recompute", "none")
+    return RecomputeChoice(mode if isinstance(mode, str) and mode != "auto" else "none")
+
+
+def block_pattern(name: str) -> str:
+    """The name a decision about a weight or module is tied under: block (and expert) indices
+    replaced by ``*`` (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``): alike blocks
+    decide alike. The plan's vocabulary for `Layout.fp8` and `Layout.recompute`, shared by the
+    cost model and the passes."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name) if name else ""
+
+
+fp8_group = block_pattern  # an FP8 decision is tied by weight name (passes/fp8.py)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from cost.comm import axis_group, collective_time
 from cost.layout import Layout, LayoutError
 from cost.memory import MemoryBreakdown, buffer_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
-from cost.plan_types import fp8_group
+from cost.plan_types import RecomputeChoice, block_pattern, fp8_group
 from cost.precision import recipe
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from cost.terms.common import (
@@ -49,9 +49,9 @@ from cost.terms.compute import (
     compute_per_stage,
     fp8_candidates,
     host_overhead_per_stage,
+    node_stages,
     node_times,
     params_per_stage,
-    recompute_per_stage,
     stage_of,
     step_node_times,
 )
@@ -60,6 +60,14 @@ from cost.terms.data_parallel import dp_comm
 from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
 from cost.terms.pipeline_parallel import p2p_time, pipeline_time
+from cost.terms.recompute import (
+    activation_memory,
+    choose_auto,
+    columns,
+    fixed_choice,
+    local_saved_bytes,
+    rerun_per_stage,
+)
 from cost.terms.tensor_parallel import tp_comm as tp_comm_terms
 from cost.terms.tensor_parallel import tp_small_collectives
 
@@ -67,7 +75,8 @@ __all__ = [
     "ADAM_BYTES_PER_PARAM", "CPU_ADAM_BYTES_PER_PARAM", "FP8_CAST_BYTES_PER_INPUT_BYTE",
     "FRAMEWORK_EFFICIENCY", "EventTable", "NodeTable", "ParamTable", "Prediction", "SavedTable",
     "StepFacts", "axis_group", "check_layout", "collective_time", "comm_overlap",
-    "default_precision", "node_times", "predict", "predict_memory", "resolved", "stage_memory", "stage_of",
+    "default_precision", "node_times", "predict", "predict_memory", "recompute_choice", "resolved",
+    "stage_memory", "stage_of",
     "tp_small_collectives", "zero_reduction",
 ]
 
@@ -155,6 +164,13 @@ def check_layout(facts: StepFacts, cluster: Cluster, layout: Layout) -> None:
             f"ep={layout.ep} needs a mixture-of-experts model whose expert count it divides "
             f"(this model has {facts.n_experts} experts)"
         )
+    if isinstance(layout.recompute, tuple):
+        known = set(facts.recompute_groups)
+        unknown = [g for g in layout.recompute if block_pattern(g) not in known]
+        if unknown:
+            raise LayoutError(f"recompute={unknown}: no matmul output of a block has "
+                              "that name; fix: use recompute='auto', or name groups among "
+                              f"{sorted(known) or 'none (the model has no repeated blocks)'}")
     if isinstance(layout.fp8, tuple):
         weights = set(facts.nodes.fp8_weight[facts.nodes.fp8_weight != ""].tolist())
         known = weights | {fp8_group(w) for w in weights}
@@ -188,10 +204,9 @@ def predict_memory(facts: StepFacts, cluster: Cluster, layout: Layout, check: bo
 def stage_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[MemoryBreakdown]:
     """Memory of a device of every pipeline stage under ``layout`` (not checked)."""
     layout = resolved(facts, cluster, layout)
-    n_layers = max(facts.n_layers, 1)
     rec = recipe(layout.precision, layout.fp32_grad_accum)
     params_stage = params_per_stage(facts, cluster, layout)
-    return _memory(facts, cluster, layout, rec, params_stage, layout.microbatch / facts.batch, n_layers)
+    return _memory(facts, cluster, layout, rec, params_stage)
 
 
 def predict(
@@ -217,7 +232,8 @@ def predict(
     times = step_node_times(facts, cluster, lay)
     fwd, bwd = compute_per_stage(facts, cluster, lay, times)
     host = host_overhead_per_stage(facts, cluster, lay)
-    recomp = recompute_per_stage(facts, cluster, lay, times)
+    recomp = rerun_per_stage(node_stages(facts, cluster, lay), times,
+                             columns(facts, recompute_choice(facts, cluster, lay)).rerun, pp)
     tp_comm, tp_hidden_fwd, tp_hidden_bwd = tp_comm_terms(facts, cluster, lay, times, scale,
                                                           n_layers, pp)
     cp_comm = cp_exposed(facts, cluster, lay, times, scale)
@@ -243,8 +259,7 @@ def predict(
     mfu = tps * (facts.total_flops / tokens) / (world * peak)
 
     # ---- memory of the fullest stage
-    worst = memory or max(_memory(facts, cluster, lay, rec, params_stage, scale, n_layers),
-                          key=lambda b: b.total)
+    worst = memory or max(_memory(facts, cluster, lay, rec, params_stage), key=lambda b: b.total)
     time_breakdown = {
         "compute_s": m * float(fwd[slowest] + bwd[slowest]),
         "host_overhead_s": m * float(host[slowest]),
@@ -271,44 +286,61 @@ def predict(
     )
 
 
-def _memory(facts, cluster, lay, rec, params_stage, scale, n_layers) -> list[MemoryBreakdown]:
-    """Memory breakdown of every pipeline stage."""
-    tp, cp, pp = lay.tp, lay.cp, lay.pp
-    saved = facts.saved
-    local = saved.bytes * np.where(saved.batch_dep, scale / cp, 1.0)
-    local = local / np.where(saved.tp_div, tp, 1) / np.where(saved.sp_div & lay.sp, tp, 1)
-    # what the recompute pass keeps from the forward to the backward under the layout's mode
-    # (`SavedTable.kept`: autograd's saved values without recompute; with it, the values the
-    # pass does not rebuild and the roots its chains start from, block inputs included)
-    keep = saved.kept(lay.recompute)
-    stage = stage_of(facts, saved.layer, cluster, lay)
-    # the caching allocator holds more than the live bytes (`CostParams.activation_fragmentation`)
-    local = local * cluster.params.activation_fragmentation
-    per_stage = np.bincount(stage, weights=local * keep, minlength=pp)
-    # At the peak of the backward the largest activation and its gradient are live beside the
-    # saved ones (the fp32 logits and their gradient in a language model): a temporary buffer the
-    # saved-tensor count misses; it made micro-batches 1.2-2.3x larger than the playbook could
-    # run look like they fit (`autopar bench cost-model`, section 4b).
-    transient = 2.0 * float((local * keep).max()) if len(local) else 0.0
-    # Under recompute, a block's backward first rebuilds its recomputed values: they are live
-    # beside the kept ones while that block's backward runs, one block at a time (the pass
-    # inserts each copy before the first backward node that reads it)
-    rebuilt = saved.rebuilt(lay.recompute)
-    if rebuilt.any():
-        working = np.bincount(np.clip(saved.layer, 0, n_layers - 1), weights=local * rebuilt)
-        transient += float(working.max())
+def recompute_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> RecomputeChoice:
+    """What the recompute pass rebuilds under ``layout`` (`cost.terms.recompute`): its manual
+    mode or groups, or for "auto" the fastest choice that fits (memoised per layout)."""
+    lay = resolved(facts, cluster, layout)
+    if lay.recompute != "auto":
+        return fixed_choice(facts, lay)
+    key = ("recompute_choice", lay, cluster.gpu.name, cluster.gpu.memory_bytes, cluster.params,
+           cluster.world_size)
+    if key not in facts._memo:
+        rec = recipe(lay.precision, lay.fp32_grad_accum)
+        params_stage = params_per_stage(facts, cluster, lay)
+        fixed = [b.total - b.activations for b in _memory(facts, cluster, lay, rec, params_stage,
+                                                          RecomputeChoice("none"), transient=False)]
+        flight = np.array([_flight(lay, s) for s in range(lay.pp)])
+        times = step_node_times(facts, cluster, lay)
+        fwd, bwd = compute_per_stage(facts, cluster, lay, times)
+        facts._memo[key] = choose_auto(
+            facts, local_saved_bytes(facts, cluster, lay), stage_of(facts, facts.saved.layer, cluster, lay),
+            flight, cluster.gpu.memory_bytes - np.array(fixed), node_stages(facts, cluster, lay), times,
+            fwd + bwd)
+    return facts._memo[key]
+
+
+def _flight(lay: Layout, stage: int) -> float:
+    """Micro-batches of activations ``stage`` holds at its peak."""
+    if lay.pp == 1:
+        return 1
+    return in_flight_microbatches(lay.schedule, lay.pp, lay.grad_accum, stage, lay.virtual_stages)
+
+
+def _memory(facts, cluster, lay, rec, params_stage, choice: RecomputeChoice | None = None,
+            transient: bool = True) -> list[MemoryBreakdown]:
+    """Memory breakdown of every pipeline stage under the recompute ``choice`` (the layout's
+    when None); ``transient=False`` leaves the backward's transient buffers out."""
+    pp = lay.pp
+    n_layers = max(facts.n_layers, 1)
+    choice = choice or recompute_choice(facts, cluster, lay)
+    # what the recompute pass keeps from the forward to the backward (autograd's saved values
+    # without recompute; with it, the values the pass does not rebuild and the roots its chains
+    # start from, block inputs included), and what each block's backward rebuilds
+    per_stage, extra = activation_memory(facts, local_saved_bytes(facts, cluster, lay),
+                                         stage_of(facts, facts.saved.layer, cluster, lay), pp,
+                                         columns(facts, choice))
+    extra = extra if transient else 0.0
     block_params_ = block_params(facts, lay, n_layers)
     out = []
     for s in range(pp):
-        states = model_state_bytes(float(params_stage[s]), rec, lay.zero, lay.dp * cp)
-        flight = in_flight_microbatches(lay.schedule, pp, lay.grad_accum, s, lay.virtual_stages) if pp > 1 else 1
+        states = model_state_bytes(float(params_stage[s]), rec, lay.zero, lay.dp * lay.cp)
         out.append(
             MemoryBreakdown(
                 params=states["params"],
                 grads=states["grads"],
                 optimizer=states["optimizer"],
-                activations=float(per_stage[s]) * flight,
-                buffers=buffer_bytes(lay.dp * cp, lay.zero, block_params_, rec.param_bytes) + transient,
+                activations=float(per_stage[s]) * _flight(lay, s),
+                buffers=buffer_bytes(lay.dp * lay.cp, lay.zero, block_params_, rec.param_bytes) + extra,
                 reserve=cluster.params.memory_reserve_bytes,
             )
         )

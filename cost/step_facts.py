@@ -73,6 +73,9 @@ class NodeTable:
     # the recompute's price; `autopar.search.facts` reads it off the pass's own marking)
     rerun_selective: np.ndarray
     rerun_full: np.ndarray
+    # column g (shape nodes x groups): copied under "selective" + heavy group g
+    # (`StepFacts.recompute_groups`)
+    rerun_groups: np.ndarray
 
     def __post_init__(self) -> None:
         _check_lengths(self)
@@ -97,9 +100,11 @@ class SavedTable:
     """Per forward value (storage) the backward reads, under some recompute mode: what
     activation memory counts. ``kept_<mode>``: held from the forward to the backward under that
     mode ("none": autograd's saved values; "selective"/"full": what `passes.recompute` keeps,
-    the roots of its recompute chains included); ``rebuilt_<mode>``: recomputed in its block's
-    backward under that mode (one block's rebuilt values are live at a time)."""
+    the roots of its recompute chains included); ``rebuilt_<mode>``: the (made, dead) span, in
+    backward positions, of the copy that rebuilds it under that mode, (-1, -1) if none does
+    (`cost.terms.recompute` sweeps the spans of each block for its working set)."""
 
+    name: np.ndarray  # the storage's node in the joint graph (str)
     bytes: np.ndarray  # for the whole captured batch
     batch_dep: np.ndarray
     tp_div: np.ndarray  # sharded t ways under TP
@@ -109,8 +114,12 @@ class SavedTable:
     kept_none: np.ndarray  # saved for the backward without recompute
     kept_selective: np.ndarray
     kept_full: np.ndarray
-    rebuilt_selective: np.ndarray
+    rebuilt_selective: np.ndarray  # rows x 2 (made, dead)
     rebuilt_full: np.ndarray
+    # column g: kept (rows x groups) / rebuilt (rows x groups x 2) under "selective" + heavy
+    # group g (`StepFacts.recompute_groups`)
+    kept_groups: np.ndarray
+    rebuilt_groups: np.ndarray
 
     def __post_init__(self) -> None:
         _check_lengths(self)
@@ -121,14 +130,6 @@ class SavedTable:
     def rebatch(self, r: float) -> SavedTable:
         """The table at ``r`` times the batch."""
         return dataclasses.replace(self, bytes=_scale_where(self.bytes, self.batch_dep, r))
-
-    def kept(self, mode: str) -> np.ndarray:
-        """Rows held from the forward to the backward under recompute ``mode``."""
-        return getattr(self, f"kept_{mode}")
-
-    def rebuilt(self, mode: str) -> np.ndarray:
-        """Rows the backward rebuilds under recompute ``mode`` (none: no row)."""
-        return np.zeros(len(self), bool) if mode == "none" else getattr(self, f"rebuilt_{mode}")
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,9 @@ class StepFacts:
     # EP all-to-all: activation bytes entering + leaving the experts, per slot (-1 .. L)
     expert_io_bytes: np.ndarray
     tp_fallbacks: list[str] = field(default_factory=list)  # ops the TP recipe runs replicated
+    # the heavy groups (matmul and attention outputs tied across blocks,
+    # `passes.recompute.heavy_groups`) a partial recompute choice names, in column order
+    recompute_groups: tuple[str, ...] = ()
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

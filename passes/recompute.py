@@ -20,20 +20,27 @@ Which values are in R (`values_to_recompute`), per mode:
 - "selective": the same, minus matmul and attention outputs (Korthikanti et al. 2022: the
   element-wise values are cheap to rebuild, the matmuls are not);
 
-and in both modes never a random op (a dropout replayed would draw another mask: its outputs,
-the mask included, are kept), a collective (`_c10d_functional.*`: recomputing it would move the
-data again; its output is kept), an op that mutates an argument, or a value some op mutates, or
-a getitem of a value that is kept (it reads the kept tuple anyway).
+- "selective" plus heavy groups (`values_to_recompute(..., also=...)`): the same, and the
+  outputs of the named matmuls too (a partial choice between selective and full;
+  `heavy_groups` names them, tied across blocks, as the plan does);
+
+and in every mode never a random op (a dropout replayed would draw another mask: its outputs,
+the mask included, are kept; attention kernels count as random: their outputs are kept), a
+collective (`_c10d_functional.*`: recomputing it would move the data again; its output is
+kept), an op that mutates an argument, or a value some op mutates, or a getitem of a value
+that is kept (it reads the kept tuple anyway).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+
+from cost.plan_types import block_pattern
 
 aten = torch.ops.aten
 
@@ -70,8 +77,16 @@ def _op_name(node: fx.Node) -> str:
 
 
 def _is_random(node: fx.Node) -> bool:
+    # attention kernels are tagged seeded (their dropout_p): kept even at dropout_p 0, which
+    # also keeps what is dear to recompute and cheap to store (out and logsumexp); measured on
+    # the 4-block llama (h512, s512, b4, fp32), recomputing them in "full" raised the peak from
+    # 119 to 139 MiB (the copy is made for o_proj's weight gradient, early in the block's backward)
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags or _op_name(node) in _RANDOM
+
+
+def _is_attention(node: fx.Node) -> bool:
+    return "attention" in _op_name(node)
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -103,35 +118,75 @@ def _is_heavy(node: fx.Node) -> bool:
     return _op_name(node) in _HEAVY
 
 
-def values_to_recompute(gm: fx.GraphModule, layers: Mapping[str, int | None],
-                        mode: str) -> frozenset[str]:
-    """The forward values the backward may recompute under ``mode`` (see the module docstring).
-
-    ``layers``: the block index of each node (None or absent: outside the repeated blocks), as
-    `autopar.analysis` finds it."""
-    if mode not in MODES:
-        raise ValueError(f"recompute mode {mode!r}: one of {', '.join(MODES)}")
-    if mode == "none":
-        return frozenset()
+def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None]) -> list[fx.Node]:
+    """The forward nodes "full" may recompute, in graph order (the module docstring's rule),
+    getitems left out (they follow their tuple)."""
     nodes = list(gm.graph.nodes)
     mutated = {a for n in nodes if n.op == "call_function" and _mutates(n) for a in n.all_input_nodes}
-    out: set[str] = set()
+    out = []
     for node in nodes:
         layer = layers.get(node.name)
         if node.op != "call_function" or is_backward(node) or layer is None:
             continue
         if _is_random(node) or _is_collective(node) or _mutates(node) or node in mutated:
             continue
-        if mode == "selective" and _is_heavy(node):
-            continue
-        if node.target is operator.getitem and node.args[0].name not in out:
-            continue  # a kept tuple (attention, dropout): its parts are kept with it
         # the block's output feeds the next block: kept, as every block's input is
         if any(u.op == "output" or (not is_backward(u) and layers.get(u.name) != layer)
                for u in node.users):
             continue
+        out.append(node)
+    return out
+
+
+def values_to_recompute(gm: fx.GraphModule, layers: Mapping[str, int | None],
+                        mode: str, also: Collection[str] = ()) -> frozenset[str]:
+    """The forward values the backward may recompute under ``mode`` (see the module docstring).
+
+    ``layers``: the block index of each node (None or absent: outside the repeated blocks), as
+    `autopar.analysis` finds it. ``also`` (mode "selective" only): heavy nodes (matmuls,
+    attention; `heavy_groups` keys them) whose outputs are recomputed too."""
+    if mode not in MODES:
+        raise ValueError(f"recompute mode {mode!r}: one of {', '.join(MODES)}")
+    if also and mode != "selective":
+        raise ValueError(f"also= adds heavy outputs to 'selective', not to {mode!r}")
+    if mode == "none":
+        return frozenset()
+    extra = set(also)
+    out: set[str] = set()
+    for node in _candidates(gm, layers):
+        if node.target is operator.getitem and node.args[0].name not in out:
+            continue  # a kept tuple (attention, dropout): its parts are kept with it
+        if mode == "selective" and _is_heavy(node) and node.name not in extra:
+            continue
         out.add(node.name)
     return frozenset(out)
+
+
+def _label(node: fx.Node) -> str:
+    return "attention" if _is_attention(node) else _op_name(node)
+
+
+def heavy_groups(gm: fx.GraphModule, layers: Mapping[str, int | None],
+                 modules: Mapping[str, str], weight_of: Mapping[str, str]) -> dict[str, str]:
+    """Every heavy node "full" recomputes and "selective" keeps -> its group: what a partial
+    choice names. A matmul reading a weight is named by the weight, block indices as ``*``
+    (``layers.*.mlp.up_proj.weight``, `cost.plan_types.block_pattern`); any other heavy node by
+    its module and op (``layers.*.attn:attention``); a second alike node in one block gets
+    ``#1``, and so on. Alike blocks give alike names: a group holds one node per block.
+
+    ``modules``: node -> qualified module name; ``weight_of``: forward matmul -> its weight."""
+    seen: dict[tuple[int | None, str], int] = {}
+    out: dict[str, str] = {}
+    for node in _candidates(gm, layers):
+        if not _is_heavy(node):
+            continue
+        weight = weight_of.get(node.name)
+        base = (block_pattern(weight) if weight
+                else f"{block_pattern(modules.get(node.name, ''))}:{_label(node)}")
+        count = seen.get((layers.get(node.name), base), 0)
+        seen[(layers.get(node.name), base)] = count + 1
+        out[node.name] = base if count == 0 else f"{base}#{count}"
+    return out
 
 
 def apply_recompute(gm: fx.GraphModule, recompute: frozenset[str]) -> RecomputeResult:

@@ -46,7 +46,10 @@ def _sample(num_params: int) -> tuple[str, str | None]:
 def _layouts(world: int) -> dict[str, dict | None]:
     layouts: dict[str, dict | None] = {
         "DP": {"dp": world}, "ZeRO-1": {"dp": world, "zero": 1}, "ZeRO-2": {"dp": world, "zero": 2},
-        "ZeRO-3": {"dp": world, "zero": 3}, "TP+SP": {"tp": world, "sp": True}}
+        "ZeRO-3": {"dp": world, "zero": 3},
+        # its overhead over ZeRO-3, measured against predicted (`recompute_overhead`)
+        "ZeRO-3 + full recompute": {"dp": world, "zero": 3, "recompute": "full"},
+        "TP+SP": {"tp": world, "sp": True}}
     if world >= 4:  # a real product of both axes
         layouts["DP x TP"] = {"dp": 2, "tp": world // 2}
     layouts["solver"] = None
@@ -83,6 +86,11 @@ def _hand_written(layout, model, batch, world: int):
         return _hand_written_tp(layout, model, batch)
     rank = dist.get_rank()
     local = tuple(x.chunk(world)[rank] for x in batch)
+    if layout.recompute == "full":  # torchtitan's full activation checkpointing, per block
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
     if layout.zero == 3:
         for block in model.layers:
             fully_shard(block)
@@ -280,9 +288,15 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
             shutil.rmtree(Path(calibration).parent, ignore_errors=True)
     predicted, measured = _per_layout(rows)
     sample, fitted_by = _sample(_num_params(cfg))
+    by = {r["layout"]: r for r in rows}
+    base, full = by["ZeRO-3"], by["ZeRO-3 + full recompute"]
+    overhead = {"measured_s": full["measured_s"] - base["measured_s"],
+                "predicted_s": full["predicted_s"] - base["predicted_s"]}
+    overhead["predicted_over_measured"] = overhead["predicted_s"] / overhead["measured_s"]
     return json_ready({"sample": sample, "fitted_by": fitted_by,"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
                        "spearman_predicted_vs_measured": _spearman(predicted, measured),
                        "distinct_layouts": len(predicted), "calibration": cal,
+                       "recompute_overhead": overhead,
                        "time_s": time.perf_counter() - t0})
 
 
@@ -295,7 +309,17 @@ def format_runtime_bench(result: dict) -> str:
             + table(head, rows, "llrrrr")
             + f"\nSpearman rank correlation, predicted vs measured, over {result['distinct_layouts']} distinct "
             f"layouts: {result['spearman_predicted_vs_measured']:.2f}"
+            + _overhead_line(result)
             + _sample_line(result))
+
+
+def _overhead_line(result: dict) -> str:
+    """Full recompute's step-time overhead over ZeRO-3, measured and predicted."""
+    o = result.get("recompute_overhead")
+    if not o:
+        return ""
+    return (f"\nfull recompute over ZeRO-3: measured +{fmt_time(o['measured_s'])}, predicted "
+            f"+{fmt_time(o['predicted_s'])} (predicted / measured {o['predicted_over_measured']:.2f})")
 
 
 def _sample_line(result: dict) -> str:

@@ -13,7 +13,8 @@ forward values from the kept ones (after TP: the chains start from TP's collecti
 repeat them; before DP: ZeRO-3 gathers the weights a recomputed matmul reads for the backward,
 as for the backward's own matmuls), the data-parallel pass (passes/data_parallel.py) then adds
 gradient reduction and ZeRO over the "dp" mesh axis. Executed today: DP, ZeRO 1/2/3, TP, TP+SP
-and their products (a ("dp", "tp") mesh), recompute "selective" and "full", FP8 matmuls
+and their products (a ("dp", "tp") mesh), recompute "selective", "full" and partial choices
+(the plan's `RecomputeChoice`: "auto" resolved by the cost model, or named groups), FP8 matmuls
 (passes/fp8.py: before TP, whose DTensors reduce a sharded amax over TP; the DP ranks' amaxes
 are all-reduced after it, `reduce_scales`), with gradient
 accumulation (the step captured for one micro-batch and run grad_accum times; see
@@ -53,12 +54,19 @@ from autopar.search.decisions import _recomputed
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
 from cost.layout import unsupported_decisions
-from cost.plan_types import AxisGroup, AxisPlacement, Fallback, GraphSignature, PlanDecisions
+from cost.plan_types import (
+    AxisGroup,
+    AxisPlacement,
+    Fallback,
+    GraphSignature,
+    PlanDecisions,
+    RecomputeChoice,
+)
 from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
-from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales
+from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
-from passes.recompute import apply_recompute, values_to_recompute
+from passes.recompute import apply_recompute, heavy_groups, values_to_recompute
 from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
 from passes.token_count import token_counter, weight_loss_by_seed
 from runtime.executor import RankGraph, run_step
@@ -212,9 +220,21 @@ def parallelize(
     counter = token_counter(graph.gm, signature)
     gm, shapes = graph.gm, dict(graph.param_shapes)
     decisions = chosen.decisions
-    # each node's block, read before any pass rewrites the graph (the recompute pass's rules)
-    layers = ({name: info.layer for name, info in analyze(graph).nodes.items()}
-              if lay.recompute != "none" else {})
+    # each node's block and the heavy groups a partial choice names, read before any pass
+    # rewrites the graph (the recompute pass's rules)
+    choice = decisions.recompute_choice
+    groups: dict[str, str] = {}
+    layers: dict[str, int | None] = {}
+    if choice.mode != "none":
+        analysis = analyze(graph)
+        layers = {name: info.layer for name, info in analysis.nodes.items()}
+        forward_mm = {mm: w for w, mms in weight_matmuls(gm, signature).items() for mm in mms.forward}
+        groups = heavy_groups(gm, layers, {n: i.module for n, i in analysis.nodes.items()}, forward_mm)
+        unknown = set(choice.outputs) - set(groups.values())
+        if unknown:
+            raise UnsupportedLayoutError(
+                f"the plan recomputes {sorted(unknown)}, which this rank's graph does not have "
+                f"(its groups: {sorted(set(groups.values()))}); re-plan on this model")
     if decisions.fp8:  # before TP: the TP pass shards the casts and reduces sharded amaxes
         apply_fp8(gm, signature, decisions.fp8, FP8_RECIPES[lay.fp8_recipe])
     # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
@@ -248,9 +268,9 @@ def parallelize(
             "to accept the replication (listed in pm.plan.fallbacks)")
     if decisions.fp8 and lay.dp > 1:  # scales over all DP ranks' tokens, as on one device
         reduce_scales(gm, AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh)))
-    if lay.recompute != "none":
+    if choice.mode != "none":
         # the plan lists what is recomputed, value by value, as it runs
-        decisions.recompute = _recomputed(None, lay, _recompute(gm, layers, lay.recompute, lay.tp > 1))
+        decisions.recompute = _recomputed(None, choice, _recompute(gm, layers, groups, choice, lay.tp > 1))
     weight_loss_by_seed(gm, signature)
     accumulate_gm = None
     inputs = list(signature.inputs)
@@ -287,13 +307,18 @@ def parallelize(
                           local_batch=local_batch, unloaded=unloaded)
 
 
-def _recompute(gm, layers: dict[str, int | None], mode: str, retraced: bool) -> dict[int, list[str]]:
+def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str], choice: RecomputeChoice,
+               retraced: bool) -> dict[int, list[str]]:
     """Apply the recompute pass to this rank's graph ``gm``; block -> the saved values it
-    rebuilds. ``layers``: the block of each node of the captured graph (its analysis); a graph
-    the TP pass retraced names each node's source in ``meta["from_node"]``, a node of the FP8
-    pass the matmul it serves (its casts are that matmul's block's)."""
-    per_node = {n.name: layers.get(_source(n, retraced)) for n in gm.graph.nodes}
-    result = apply_recompute(gm, values_to_recompute(gm, per_node, mode))
+    rebuilds. ``layers`` and ``groups``: the block and heavy group of each node of the captured
+    graph (its analysis); a graph the TP pass retraced names each node's source in
+    ``meta["from_node"]``, a node of the FP8 pass the matmul it serves (its casts are that
+    matmul's block's)."""
+    source = {n.name: _source(n, retraced) for n in gm.graph.nodes}
+    per_node = {name: layers.get(src) for name, src in source.items()}
+    wanted = set(choice.outputs)
+    also = [name for name, src in source.items() if groups.get(src) in wanted]
+    result = apply_recompute(gm, values_to_recompute(gm, per_node, choice.mode, also=also))
     executed: dict[int, list[str]] = {}
     for name in result.recomputed:
         executed.setdefault(per_node[name], []).append(name)

@@ -73,6 +73,12 @@ class Plan:
         return self.decisions.recompute
 
     @property
+    def recompute_groups(self) -> list[str]:
+        """The matmul outputs a partial recompute can name, tied across blocks
+        (``Layout(recompute=(...))``); [] for a plan read from JSON (no captured step)."""
+        return list(self._step.facts().recompute_groups) if self._step is not None else []
+
+    @property
     def fp8(self) -> list[str]:
         """The matmuls (by weight name) run in FP8, [] if none."""
         return self.decisions.fp8
@@ -96,7 +102,7 @@ class Plan:
             f"autopar plan: {self.model or 'model'} ({fmt_count(self.num_params)} parameters), "
             f"batch {self.batch} x seq {self.seq} on {self.cluster.describe()}",
             f"  layout   {lay.short()}   mesh {' x '.join(f'{k}={v}' for k, v in self.mesh.items())}",
-            f"  precision {lay.precision}, recompute {lay.recompute}"
+            f"  precision {lay.precision}, recompute {self._recompute_words()}"
             + (f", schedule {lay.schedule}" if lay.pp > 1 else ""),
         ]
         if self.solve:
@@ -141,6 +147,14 @@ class Plan:
         lines.append("fallbacks: " + ("; ".join(f"{f.op} ({f.reason})" for f in self.fallbacks)
                                       if self.fallbacks else "none"))
         return "\n".join(lines)
+
+    def _recompute_words(self) -> str:
+        """The layout's recompute and, for "auto" or named groups, what it resolved to."""
+        lay, choice = self.layout, self.decisions.recompute_choice
+        if isinstance(lay.recompute, str) and lay.recompute == choice.mode and not choice.outputs:
+            return lay.recompute
+        asked = "+".join(lay.recompute) if isinstance(lay.recompute, tuple) else lay.recompute
+        return f"{asked} -> {choice.describe()}"
 
     def _fp8_line(self) -> str:
         """Which weight matmuls run in FP8, under which recipe, and which stay high."""

@@ -52,7 +52,7 @@ def plan(
     accumulation and precision are derived, see `Layout.resolve`); without, the solver
     searches for the fastest layout that fits. ``search`` options go to
     `autopar.search.solver.solve` (``allow_fp8``, ``compare_manual``, ``executable_only``,
-    ``precision``).
+    ``precision``, ``recompute``: the recompute modes searched, "auto" by default).
     """
     cluster = cluster if cluster is not None else Cluster.local()
     example_inputs = tuple(example_inputs)

@@ -13,19 +13,28 @@ import re
 import numpy as np
 
 from cost import Cluster, Layout
-from cost.plan_types import AxisPlacement, CommPlan, Fallback, ParamPlan, PlanDecisions
-from cost.step import StepFacts, stage_of, zero_reduction
+from cost.plan_types import (
+    AxisPlacement,
+    CommPlan,
+    Fallback,
+    ParamPlan,
+    PlanDecisions,
+    RecomputeChoice,
+)
+from cost.step import StepFacts, recompute_choice, stage_of, zero_reduction
 from cost.terms.compute import fp8_candidates, fp8_nodes
 
 
 def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
     """The decisions of ``layout`` on this step, as the passes will run them."""
     params = {name: _param_plan(facts, layout, name) for name in facts.param_numel}
+    choice = recompute_choice(facts, cluster, layout)
     return PlanDecisions(
         layout=layout,
         params=params,
         stages=_stages(facts, cluster, layout),
-        recompute=_recomputed(facts, layout),
+        recompute=_recomputed(facts, choice),
+        recompute_choice=choice,
         fp8=_fp8_weights(facts, cluster, layout),
         fp8_high=_fp8_kept_high(facts, cluster, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter"),
@@ -69,13 +78,13 @@ def _stages(facts: StepFacts, cluster, layout: Layout) -> list[tuple[int, int]]:
     return out
 
 
-def _recomputed(facts: StepFacts | None, layout: Layout,
+def _recomputed(facts: StepFacts | None, choice: RecomputeChoice,
                 executed: dict[int, list[str]] | None = None) -> list[str]:
-    """What the backward recomputes, per block: the rule of ``layout.recompute`` (every block
-    alike), or with ``executed`` (block -> the saved values the recompute pass rebuilds, as
+    """What the backward recomputes, per block: the rule of ``choice`` (every block alike), or
+    with ``executed`` (block -> the saved values the recompute pass rebuilds, as
     `autopar.parallelize` ran it; ``facts`` unused) the values themselves: the first few names
     of each block and their count."""
-    if layout.recompute == "none":
+    if choice.mode == "none":
         return []
     if executed is not None:
         # by op (node names less their numbering), so that alike blocks read alike
@@ -84,8 +93,13 @@ def _recomputed(facts: StepFacts | None, layout: Layout,
                 for block, values in sorted(executed.items())]
     if facts is None or not facts.n_layers:
         return []
-    what = ("every forward value but the block's input" if layout.recompute == "full"
-            else "element-wise forward values (matmul and attention outputs kept)")
+    if choice.mode == "full":
+        what = "every forward value but the block's input"
+    elif choice.outputs:
+        what = ("element-wise forward values and the outputs of " + ", ".join(choice.outputs)
+                + " (other matmul and attention outputs kept)")
+    else:
+        what = "element-wise forward values (matmul and attention outputs kept)"
     return [f"block {i}: {what}" for i in range(facts.n_layers)]
 
 

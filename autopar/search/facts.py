@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
 from cost.plan_types import GraphSignature
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from passes.fp8 import cast_shares, weight_matmuls
-from passes.recompute import is_backward, values_to_recompute
+from passes.recompute import heavy_groups, is_backward, values_to_recompute
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 # the columns of `NodeTable` and `SavedTable` as built here, with their array dtypes
@@ -34,10 +35,11 @@ _NODE_DTYPES = {
     "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
     "attention_kv_bytes": float, "rerun_selective": bool, "rerun_full": bool,
 }
-_SAVED_DTYPES = {"bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool,
+_SAVED_DTYPES = {"name": str, "bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool,
                  "layer": int, "heavy": bool, "kept_none": bool, "kept_selective": bool,
-                 "kept_full": bool, "rebuilt_selective": bool, "rebuilt_full": bool}
+                 "kept_full": bool, "rebuilt_selective": int, "rebuilt_full": int}
 _RECOMPUTE_MODES = ("selective", "full")
+_NOT_REBUILT = (-1, -1)  # the span of a storage no copy rebuilds
 
 
 def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True,
@@ -119,24 +121,31 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
 
     # what the recompute pass keeps and rebuilds per mode (`_recompute_marks`): the rows of the
     # saved table are the values saved without recompute, then the values only a mode keeps
-    # (the roots of its recompute chains) or rebuilds (its working set in the backward)
-    marks, reruns = _recompute_marks(graph, analysis)
+    # (the roots of its recompute chains) or rebuilds (its working set in the backward); each
+    # heavy group (`passes.recompute.heavy_groups`) adds the columns of "selective" + that group
+    weight_of = {name: w for name, (w, role) in fp8_roles.items() if role == "forward"}
+    marks, group_names = _recompute_marks(graph, analysis, weight_of)
+    keys = list(group_names)
     for mode in _RECOMPUTE_MODES:  # the nodes whose copies the pass runs in the backward
-        arrays[f"rerun_{mode}"] = [name in reruns[mode] for name in arrays["name"]]
+        arrays[f"rerun_{mode}"] = [name in marks[mode].copied for name in arrays["name"]]
+    rerun_groups = [[name in marks[g].copied for g in keys] for name in arrays["name"]]
     rows = dict(saved_values)
-    for mode in _RECOMPUTE_MODES:
-        for name in (*marks[mode][0], *marks[mode][1]):
+    for mark in marks.values():
+        for name in (*mark.kept, *mark.rebuilt):
             rows.setdefault(name, analysis.nodes[name].nbytes)
     saved: dict[str, list] = {k: [] for k in _SAVED_DTYPES}
+    kept_groups, rebuilt_groups = [], []
     for name, nbytes in rows.items():
         info = analysis.nodes[name]
         saved["kept_none"].append(name in saved_values)
         for mode in _RECOMPUTE_MODES:
-            kept, rebuilt = marks[mode]
-            saved[f"kept_{mode}"].append(name in kept)
-            saved[f"rebuilt_{mode}"].append(name in rebuilt)
+            saved[f"kept_{mode}"].append(name in marks[mode].kept)
+            saved[f"rebuilt_{mode}"].append(marks[mode].rebuilt.get(name, _NOT_REBUILT))
+        kept_groups.append([name in marks[g].kept for g in keys])
+        rebuilt_groups.append([marks[g].rebuilt.get(name, _NOT_REBUILT) for g in keys])
         state = tp.state.get(name, "R")
         node_bd = bd.get(name, False)
+        saved["name"].append(name)
         saved["bytes"].append(nbytes)
         saved["batch_dep"].append(node_bd)
         saved["tp_div"].append(state == "S")
@@ -156,8 +165,12 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         kv_heads=getattr(config, "n_kv_heads", None),
         n_experts=getattr(config, "n_experts", 0) or 0,
         total_flops=analysis.forward_flops + analysis.backward_flops,
-        nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()}),
-        saved=SavedTable(**{k: np.array(v, dtype=_SAVED_DTYPES[k]) for k, v in saved.items()}),
+        nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()},
+                        rerun_groups=np.array(rerun_groups, dtype=bool).reshape(len(rerun_groups), len(keys))),
+        saved=SavedTable(**{k: np.array(v, dtype=_SAVED_DTYPES[k]) for k, v in saved.items()},
+                         kept_groups=np.array(kept_groups, dtype=bool).reshape(len(rows), len(keys)),
+                         rebuilt_groups=np.array(rebuilt_groups, dtype=int).reshape(len(rows), len(keys), 2)),
+        recompute_groups=tuple(keys),
         events=EventTable(
             node=np.array([e.node for e in events], dtype=str),
             bytes=np.array([e.nbytes for e in events], dtype=float),
@@ -262,37 +275,61 @@ def _block_input_bytes(graph, analysis: GraphAnalysis, bd) -> float:
     return float(sum(analysis.nodes[r].nbytes for r in roots))
 
 
-def _recompute_marks(graph: TrainingGraph,
-                     analysis: GraphAnalysis) -> tuple[dict[str, tuple[set, set]], dict[str, set]]:
-    """Per recompute mode, (kept, rebuilt) storages under `passes.recompute.apply_recompute`
-    with that mode's `values_to_recompute`, and the nodes it copies into the backward (what the
-    recompute costs in time), read off the captured graph by the pass's rule:
+@dataclass(frozen=True)
+class _Marks:
+    """What `passes.recompute.apply_recompute` does with one recompute set, read off the graph."""
+
+    kept: set[str]  # storages held from the forward to the backward
+    # storages the backward's copies rebuild -> (made, dead): the backward positions where the
+    # first copy is made and after which the last dies
+    rebuilt: dict[str, tuple[int, int]]
+    copied: set[str]  # nodes copied into the backward (what the recompute costs in time)
+
+
+def _recompute_marks(graph: TrainingGraph, analysis: GraphAnalysis, weight_of: dict[str, str]
+                     ) -> tuple[dict[str, _Marks], dict[str, list[str]]]:
+    """`_Marks` of "selective", "full" and, per heavy group g (`passes.recompute.heavy_groups`),
+    of "selective" + g; and the nodes of each group. The pass's rule:
 
     - kept: the forward values the backward still reads (those not recomputed, and the roots
       every recompute chain starts from), held from the forward to the backward;
-    - rebuilt: the backward's copies live together at the moment their block's copies peak.
-      A copy is made right before the first backward node that needs it (the pass's rule:
-      its own first backward reader, or the first copy built from it) and dies after its
-      last reader (a backward node, or a copy built from it).
+    - rebuilt: the life of each storage the backward's copies rebuild. A copy is made right
+      before the first backward node that needs it (the pass's rule: its own first backward
+      reader, or the first copy built from it) and dies after its last reader (a backward
+      node, or a copy built from it); `cost.terms.recompute` sweeps these spans for the peak.
 
-    One walk per mode, linear in the graph."""
+    One walk per recompute set, linear in the graph."""
     layers = {name: info.layer for name, info in analysis.nodes.items()}
+    modules = {name: info.module for name, info in analysis.nodes.items()}
+    groups: dict[str, list[str]] = {}
+    for name, key in heavy_groups(graph.gm, layers, modules, weight_of).items():
+        groups.setdefault(key, []).append(name)
+    sets = {"selective": values_to_recompute(graph.gm, layers, "selective"),
+            "full": values_to_recompute(graph.gm, layers, "full")}
+    for key, names in groups.items():
+        sets[key] = values_to_recompute(graph.gm, layers, "selective", also=names)
+    return recompute_marks(graph, analysis, sets), groups
+
+
+def recompute_marks(graph: TrainingGraph, analysis: GraphAnalysis,
+                    sets: dict[str, frozenset[str]]) -> dict[str, _Marks]:
+    """`_Marks` of each recompute set (`passes.recompute.values_to_recompute`'s answer), by
+    the rule `_recompute_marks` states."""
     nodes = list(graph.gm.graph.nodes)
     position = {n.name: i for i, n in enumerate(nodes)}
     infos = analysis.nodes
+    backward_reads = [a for n in nodes if is_backward(n) for a in n.all_input_nodes]
 
     def forward_storage(node) -> str | None:
         storage = infos[node.name].storage
         ok = node.op != "placeholder" and not is_backward(node) and infos[storage].phase == "forward"
         return storage if ok else None  # a view of a weight lives in an input: not counted
 
-    out, reruns = {}, {}
-    for mode in _RECOMPUTE_MODES:
-        recompute = values_to_recompute(graph.gm, layers, mode)
+    def marks(recompute: frozenset[str]) -> _Marks:
         kept: set[str] = set()
         copied: dict[str, object] = {}
         # the backward's reads, then the producer chains its copies rebuild
-        stack = [a for n in nodes if is_backward(n) for a in n.all_input_nodes]
+        stack = list(backward_reads)
         while stack:
             arg = stack.pop()
             if arg.name not in recompute:
@@ -313,27 +350,9 @@ def _recompute_marks(graph: TrainingGraph,
             if storage is not None and storage in recompute:
                 made, dead = span.setdefault(storage, [first[name], max(readers)])
                 span[storage] = [min(made, first[name]), max(dead, max(readers))]
-        rebuilt: set[str] = set()
-        by_block: dict[int | None, list[str]] = {}
-        for storage in span:
-            by_block.setdefault(layers.get(storage), []).append(storage)
-        for members in by_block.values():  # the moment each block's live copies peak
-            events = sorted((t, kind, st) for st in members
-                            for t, kind in ((span[st][0], 0), (span[st][1] + 1, -1)))
-            live, best, now, best_set = set(), 0, 0, set()
-            for _, kind, st in events:
-                if kind == 0:
-                    live.add(st)
-                    now += infos[st].nbytes
-                    if now > best:
-                        best, best_set = now, set(live)
-                else:
-                    live.discard(st)
-                    now -= infos[st].nbytes
-            rebuilt |= best_set
-        out[mode] = (kept, rebuilt)
-        reruns[mode] = set(copied)
-    return out, reruns
+        return _Marks(kept, {k: (v[0], v[1]) for k, v in span.items()}, set(copied))
+
+    return {key: marks(recompute) for key, recompute in sets.items()}
 
 
 def _fp8_roles(graph: TrainingGraph) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, float]]]:

@@ -52,8 +52,11 @@ def candidate_layouts(
     allow_fp8: bool = False,
     max_virtual_stages: int = 2,
     precision: str | None = None,
+    recompute: tuple[str, ...] = ("auto",),
 ) -> Iterator[Layout]:
-    """Every well-formed layout of the search space with a TP degree in ``tps``, in order."""
+    """Every well-formed layout of the search space with a TP degree in ``tps``, in order.
+    ``recompute``: the recompute modes searched ("auto": the cheapest choice that fits, per
+    layout, `cost.terms.recompute`; it is never slower than none, selective or full)."""
     world, batch, seq = cluster.world_size, facts.batch, facts.seq
     layers = max(facts.n_layers, 1)
     cps = [1] + [c for c in (2, 4, 8) if seq % c == 0 and seq // c >= 2048]
@@ -89,13 +92,13 @@ def candidate_layouts(
                             fp8s,
                             schedules,
                             (0, 1, 2, 3) if dp * cp > 1 else (0,),  # ZeRO shards over dp*cp
-                            ("none", "selective", "full"),
+                            recompute,
                         )
-                        for sp, fp8, (schedule, v), zero, recompute in choices:
+                        for sp, fp8, (schedule, v), zero, rc in choices:
                             try:
                                 yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
                                              microbatch=mb, grad_accum=ga, schedule=schedule,
-                                             virtual_stages=v, recompute=recompute,
+                                             virtual_stages=v, recompute=rc,
                                              precision=base, fp8=fp8)
                             except LayoutError:
                                 continue
@@ -108,6 +111,7 @@ def search(
     progress: Callable[[str], None] | None = None,
     executable_only: bool = False,
     precision: str | None = None,
+    recompute: tuple[str, ...] = ("auto",),
 ) -> tuple[Layout | None, Prediction | None, StepFacts | None, dict]:
     """Best fitting layout, its prediction and cost facts, and search statistics."""
     best: tuple[Layout, Prediction, StepFacts, str] | None = None
@@ -121,7 +125,7 @@ def search(
             variants = [("megatron", base)] if tp == 1 else step.tp_variants(cluster, tp)
             for recipe_name, facts in variants:
                 for layout in candidate_layouts(facts, cluster, [tp], allow_fp8=allow_fp8,
-                                                precision=precision):
+                                                precision=precision, recompute=recompute):
                     stats["considered"] += 1
                     if executable_only and unsupported_decisions(layout):
                         continue  # autopar.parallelize searches only what it runs
@@ -177,11 +181,13 @@ def solve(
     progress: Callable[[str], None] | None = None,
     executable_only: bool = False,
     precision: str | None = None,
+    recompute: tuple[str, ...] = ("auto",),
 ) -> Solution:
     """The fastest layout of ``step`` that fits ``cluster``; raises `NoFeasiblePlanError`.
 
     executable_only: search only what `autopar.parallelize` executes today
-    (`unsupported_decisions` is empty), as parallelize asks.
+    (`unsupported_decisions` is empty), as parallelize asks. recompute: the recompute modes
+    searched (by default "auto", the cost model's choice per layout).
     """
     t0 = time.perf_counter()
     base = step.facts()
@@ -200,7 +206,8 @@ def solve(
     if progress:
         progress(f"searching layouts of {model or 'the model'} on {cluster.world_size} devices ...")
     layout, pred, facts, stats = search(step, cluster, allow_fp8=allow_fp8, progress=progress,
-                                        executable_only=executable_only, precision=precision)
+                                        executable_only=executable_only, precision=precision,
+                                        recompute=tuple(recompute))
     if layout is None:
         raise NoFeasiblePlanError(_infeasible_message(step.facts(), cluster, stats))
     manual = best_manual(step, cluster) if compare_manual else {}

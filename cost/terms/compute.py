@@ -223,19 +223,3 @@ def compute_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout, times:
     pp = layout.pp
     return (np.bincount(stage, weights=times * fwd, minlength=pp),
             np.bincount(stage, weights=times * ~fwd, minlength=pp))
-
-
-def recompute_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout, times: np.ndarray
-                        ) -> np.ndarray:
-    """Seconds of each stage's recomputed forward for one micro-batch: the nodes the recompute
-    pass copies into the backward under the layout's mode (`NodeTable.rerun_full` /
-    `rerun_selective`: full reruns the blocks' forward but what it keeps, selective the
-    element-wise chains between kept matmul and attention outputs); none reruns nothing."""
-    n, pp = facts.nodes, layout.pp
-    if layout.recompute == "full":
-        rerun = n.rerun_full
-    elif layout.recompute == "selective":
-        rerun = n.rerun_selective
-    else:
-        return np.zeros(pp)
-    return np.bincount(node_stages(facts, cluster, layout), weights=times * rerun, minlength=pp)

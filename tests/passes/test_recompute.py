@@ -1,8 +1,8 @@
 """The recompute pass: the backward rebuilds the marked forward values from the kept ones.
 
 On the zoo (tiny-llama, tiny-gpt2, tiny-mixtral) and a plain-PyTorch block model with dropout,
-"full" and "selective" give the loss and every gradient of the original graph (rtol 1e-5,
-atol 1e-6); dropout masks are drawn once, in the forward, never by a copy. The zoo configs have
+"full", "selective" and a partial choice (selective plus some matmul outputs, by group) give
+the loss and every gradient of the original graph (rtol 1e-5, atol 1e-6); dropout masks are drawn once, in the forward, never by a copy. The zoo configs have
 no dropout field (`autopar.models.config('tiny-gpt2')`), so the own model carries the dropout.
 On a 4-block model (hidden 512, sequence 512, batch 4, fp32) the measured peak of live bytes
 (runtime/memory.py) orders full < selective < none, and full's extra memory (peak minus
@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import models
 from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
-from passes.recompute import apply_recompute, is_backward, values_to_recompute
+from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
 from runtime.memory import peak_live_bytes
 
 MODES = ("selective", "full")
@@ -67,10 +67,19 @@ def _layers(graph) -> dict[str, int | None]:
 
 
 def _recomputed(graph, mode: str):
-    """A copy of the captured step with the pass applied, and the pass's result."""
+    """A copy of the captured step with the pass applied, and the pass's result. "partial":
+    selective plus every other heavy group's outputs (named by module here)."""
     out = copy.copy(graph)
     out.gm = copy.deepcopy(graph.gm)
-    result = apply_recompute(out.gm, values_to_recompute(out.gm, _layers(graph), mode))
+    layers, also = _layers(graph), []
+    if mode == "partial":
+        modules = {name: info.module for name, info in analyze(graph).nodes.items()}
+        groups = heavy_groups(out.gm, layers, modules, {})
+        chosen = sorted(set(groups.values()))[::2]
+        also = [n for n, g in groups.items() if g in chosen]
+        assert also
+    result = apply_recompute(out.gm, values_to_recompute(out.gm, layers, "selective" if also else mode,
+                                                         also=also))
     return out, result
 
 
@@ -86,7 +95,7 @@ def test_recomputed_graph_gives_the_same_loss_and_gradients(name):
     params = dict(model.named_parameters())
     torch.manual_seed(7)
     ref_loss, ref_grads = graph.run(params, *batch)
-    for mode in MODES:
+    for mode in (*MODES, "partial"):
         rec, result = _recomputed(graph, mode)
         copies = [n for n in rec.gm.graph.nodes if "recomputes" in n.meta]
         assert result.recomputed and len(copies) == result.copied > 0

@@ -194,8 +194,12 @@ def test_distributed_checkpoint_round_trip(tmp_path):
     assert spawn(_checkpoint_worker, 2, args=(str(tmp_path / "ckpt"),), timeout_s=300) == [True, True]
 
 
+_PARTIAL = {"gpt2": "layers.*.mlp.fc.weight", "llama": "layers.*.mlp.up_proj.weight",
+            "mixtral": "layers.*.attn.q_proj.weight"}
+
+
 def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int, tp: int, sp: bool,
-                   zero: int, accum: int) -> list:
+                   zero: int, accum: int, recompute: str) -> list:
     import dataclasses
 
     import autopar
@@ -208,8 +212,10 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     ref = copy.deepcopy(model)
     dp = world // tp
     batch = models.example_inputs(cfg, batch=2 * dp * accum, seq=8)
+    if recompute == "partial":  # selective plus one matmul's outputs, tied across blocks
+        recompute = (_PARTIAL[family],)
     layout = autopar.Layout(dp=dp, tp=tp, sp=sp and tp > 1, zero=zero, microbatch=2, grad_accum=accum,
-                            precision="fp32")
+                            precision="fp32", recompute=recompute)
     pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
     loss = pm(*batch)
     loss.backward()
@@ -232,8 +238,11 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     sp=st.booleans(),
     zero=st.integers(0, 3),
     accum=st.sampled_from([1, 2]),
+    recompute=st.sampled_from(["none", "selective", "full", "partial"]),
 )
-def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum):
+def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum,
+                                                    recompute):
     tp = min(tp, world)
-    results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero, accum), timeout_s=300)
+    results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero, accum, recompute),
+                    timeout_s=300)
     assert results == [[]] * world

@@ -1,0 +1,193 @@
+"""Recomputation: what the backward rebuilds under a layout, what that keeps in memory, what it
+costs in time, and the choice "auto" makes.
+
+A choice (`RecomputeChoice`) is "none", or "selective" plus a set C of heavy groups
+(`StepFacts.recompute_groups`: the matmul outputs of alike blocks, one node per block, as
+`passes.recompute.heavy_groups` names them; attention kernels are always kept); "full" is
+selective plus every group.
+The facts hold exact columns (read off the graph by the pass's own rule) for none, selective,
+full and selective + {g} for each group g. Any other C is composed from them:
+
+    kept(C)    = kept_sel  - U_{g in C} (kept_sel - kept_g)  +  U_{g in C} (kept_g - kept_sel)
+    rerun(C)   = rerun_sel + U_{g in C} rerun_g
+    rebuilt(C) = rebuilt_sel + U_{g in C} rebuilt_g
+
+where rebuilt is each row's (made, dead) span in the backward, composed as the earliest making
+and the latest death. kept and rerun compose exactly when no group's chain roots on another
+group's output (true of the zoo's blocks, Hugging Face's Llama and GPT-2 and a plain-PyTorch
+model: tests/cost/test_recompute_choice.py compares the composition with the pass's marks for
+random C); the spans are the pass's when at most one column rebuilds a row (within 15 % of the
+pass's peak there; MoE experts accumulating into one buffer make it a lower bound).
+
+"auto" takes the fastest choice that fits the device. Recompute seconds only add to a step
+(the data-parallel sync they may hide behind is never longer than them), so: none if it fits;
+else selective if it fits; else, among selective + C, the C with the fewest recompute seconds
+on the slowest stage whose memory fits on every stage: a 0/1 knapsack (bytes freed against
+seconds at the local shape), solved exactly by enumerating the subsets of the groups that free
+memory (at most 2^12; beyond, groups are added greedily by seconds per byte freed); else full,
+the least memory (the layout does not fit).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost.cluster import Cluster
+from cost.layout import Layout
+from cost.plan_types import RecomputeChoice, block_pattern
+from cost.step_facts import StepFacts
+
+MAX_EXACT_GROUPS = 12  # 2^12 subsets enumerated; more groups are added greedily
+MAX_EXACT_CHECKS = 32  # candidates checked on their exact columns before falling back to full
+
+
+@dataclass(frozen=True)
+class RecomputeColumns:
+    """Rows of `SavedTable` kept from the forward to the backward and rebuilt in it, and nodes
+    of `NodeTable` the backward reruns, under one choice."""
+
+    kept: np.ndarray
+    rebuilt: np.ndarray  # rows x 2: the (made, dead) span of each rebuilt row, (-1, -1) if none
+    rerun: np.ndarray
+
+
+def fixed_choice(facts: StepFacts, layout: Layout) -> RecomputeChoice:
+    """The choice a manual ``layout.recompute`` names ("auto" is `choose_auto`'s)."""
+    mode = layout.recompute
+    if isinstance(mode, tuple):
+        groups, wanted = facts.recompute_groups, {block_pattern(g) for g in mode}
+        chosen = tuple(g for g in groups if g in wanted)
+        return RecomputeChoice("full") if len(chosen) == len(groups) else RecomputeChoice("selective", chosen)
+    return RecomputeChoice(mode)
+
+
+def columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
+    """The kept, rebuilt and rerun rows of ``choice`` (the module docstring's composition)."""
+    saved, nodes = facts.saved, facts.nodes
+    if choice.mode == "none":
+        return RecomputeColumns(saved.kept_none, np.full((len(saved), 2), -1), np.zeros(len(nodes), bool))
+    if choice.mode == "full":
+        return RecomputeColumns(saved.kept_full, saved.rebuilt_full, nodes.rerun_full)
+    index = [facts.recompute_groups.index(g) for g in choice.outputs]
+    kept_g = saved.kept_groups[:, index]
+    base = saved.kept_selective
+    freed = (base[:, None] & ~kept_g).any(axis=1)
+    added = (kept_g & ~base[:, None]).any(axis=1)
+    # a rebuilt row lives from its earliest making to its latest death over the columns
+    spans = np.concatenate([saved.rebuilt_selective[:, None, :], saved.rebuilt_groups[:, index, :]], axis=1)
+    made = np.where(spans[..., 0] >= 0, spans[..., 0], np.iinfo(np.int64).max).min(axis=1)
+    rebuilt = np.stack([np.where(spans[..., 0].max(axis=1) >= 0, made, -1), spans[..., 1].max(axis=1)], axis=1)
+    return RecomputeColumns((base & ~freed) | added, rebuilt,
+                            nodes.rerun_selective | nodes.rerun_groups[:, index].any(axis=1))
+
+
+def rebuilt_peak(local: np.ndarray, spans: np.ndarray, layer: np.ndarray) -> float:
+    """The most bytes one block's backward holds in rebuilt copies at once: a sweep over each
+    block's (made, dead) spans (a death at position t frees before a making at t + 1)."""
+    rows = np.flatnonzero(spans[:, 0] >= 0)
+    if not len(rows):
+        return 0.0
+    t = np.concatenate([spans[rows, 0], spans[rows, 1] + 1])
+    kind = np.concatenate([np.ones(len(rows)), np.zeros(len(rows))])  # deaths first at a tie
+    delta = np.concatenate([local[rows], -local[rows]])
+    block = np.concatenate([layer[rows], layer[rows]])
+    # each block's events sum to zero, so one running sum in (block, time) order is each
+    # block's own
+    order = np.lexsort((kind, t, block))
+    return float(max(0.0, np.cumsum(delta[order]).max()))
+
+
+def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """Bytes of each `SavedTable` row on one device for one micro-batch, as the caching
+    allocator holds them (`CostParams.activation_fragmentation`)."""
+    saved, tp = facts.saved, layout.tp
+    local = saved.bytes * np.where(saved.batch_dep, layout.microbatch / facts.batch / layout.cp, 1.0)
+    local = local / np.where(saved.tp_div, tp, 1) / np.where(saved.sp_div & layout.sp, tp, 1)
+    return local * cluster.params.activation_fragmentation
+
+
+def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,
+                      cols: RecomputeColumns) -> tuple[np.ndarray, float]:
+    """(saved bytes of one micro-batch per stage, transient bytes) under ``cols``.
+
+    ``local``: `local_saved_bytes`; ``stage``: the stage of each row. The transient: at the
+    peak of the backward the largest activation and its gradient are live beside the saved
+    ones (the fp32 logits and their gradient in a language model), a buffer the saved-tensor
+    count misses (it made micro-batches 1.2-2.3x larger than the playbook could run look like
+    they fit: `autopar bench cost-model`, section 4b); and under recompute, a block's backward
+    first rebuilds its recomputed values, live beside the kept ones while that block's
+    backward runs, one block at a time."""
+    kept = local * cols.kept
+    per_stage = np.bincount(stage, weights=kept, minlength=pp)
+    transient = 2.0 * float(kept.max()) if len(local) else 0.0
+    transient += rebuilt_peak(local, cols.rebuilt, facts.saved.layer)
+    return per_stage, transient
+
+
+def rerun_per_stage(stage_of_node: np.ndarray, times: np.ndarray, rerun: np.ndarray, pp: int
+                    ) -> np.ndarray:
+    """Seconds of each stage's recomputed forward for one micro-batch: the nodes the recompute
+    pass copies into the backward (``rerun``)."""
+    return np.bincount(stage_of_node, weights=times * rerun, minlength=pp)
+
+
+def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: np.ndarray,
+                room: np.ndarray, node_stage: np.ndarray, times: np.ndarray,
+                stage_base_s: np.ndarray) -> RecomputeChoice:
+    """The choice "auto" makes (the module docstring's rule).
+
+    ``room``: bytes per stage left for saved activations and transients (capacity less the
+    model states, buffers and reserve); ``flight``: micro-batches of activations each stage
+    holds; ``stage_base_s``: each stage's seconds per micro-batch without recompute."""
+    pp = len(room)
+
+    def fits(choice: RecomputeChoice) -> bool:
+        per_stage, transient = activation_memory(facts, local, stage, pp, columns(facts, choice))
+        return bool(np.all(per_stage * flight + transient <= room))
+
+    for choice in (RecomputeChoice("none"), RecomputeChoice("selective")):
+        if fits(choice):
+            return choice
+    groups = facts.recompute_groups
+    if not groups or not fits(RecomputeChoice("full")):
+        return RecomputeChoice("full")
+    # each group's bytes freed per stage (flight included) and seconds added per stage
+    sel = columns(facts, RecomputeChoice("selective"))
+    kept_g, rerun_g = facts.saved.kept_groups, facts.nodes.rerun_groups
+    freed_rows = (sel.kept[:, None] & ~kept_g) * local[:, None]
+    added_rows = (kept_g & ~sel.kept[:, None]) * local[:, None]
+    onehot = np.eye(pp)[stage]  # rows x stages
+    freed = ((freed_rows - added_rows).T @ onehot) * flight  # groups x stages
+    extra_nodes = rerun_g & ~sel.rerun[:, None]
+    seconds = (extra_nodes * times[:, None]).T @ np.eye(pp)[node_stage]  # groups x stages
+    base_s = stage_base_s + rerun_per_stage(node_stage, times, sel.rerun, pp)
+    useful = [i for i in range(len(groups)) if freed[i].max() > 0]
+    sel_per_stage, sel_transient = activation_memory(facts, local, stage, pp, sel)
+    need = sel_per_stage * flight + sel_transient - room  # bytes to free per stage (> 0 somewhere)
+    if len(useful) <= MAX_EXACT_GROUPS:
+        subsets = np.array(list(itertools.product((0, 1), repeat=len(useful))), dtype=float)
+    else:  # greedy prefixes by seconds per byte freed on the fullest stage
+        worst = int(np.argmax(need))
+        order = sorted(useful, key=lambda i: seconds[i].sum() / max(freed[i, worst], 1.0))
+        subsets = np.tril(np.ones((len(order) + 1, len(order))), -1)
+        useful = order
+    step_s = (base_s + subsets @ seconds[useful]).max(axis=1)
+    # the additive estimate ranks the subsets; each is then checked on its exact columns
+    # (rebuilt sets and shared roots do not add up), cheapest first
+    enough = np.all(subsets @ freed[useful] >= need - 1e-6 * np.abs(room), axis=1)
+    for row in [r for r in np.argsort(step_s, kind="stable") if enough[r]][:MAX_EXACT_CHECKS]:
+        outputs = tuple(groups[useful[i]] for i in np.flatnonzero(subsets[row]))
+        choice = _normalised(facts, RecomputeChoice("selective", outputs))
+        if fits(choice):
+            return choice
+    return RecomputeChoice("full")
+
+
+def _normalised(facts: StepFacts, choice: RecomputeChoice) -> RecomputeChoice:
+    """Selective plus every group is full."""
+    if choice.mode == "selective" and len(choice.outputs) == len(facts.recompute_groups) > 0:
+        return RecomputeChoice("full")
+    return choice
