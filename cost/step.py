@@ -68,8 +68,8 @@ from cost.terms.recompute import (
     local_saved_bytes,
     rerun_per_stage,
 )
+from cost.terms.tensor_parallel import sp_regather, tp_small_collectives
 from cost.terms.tensor_parallel import tp_comm as tp_comm_terms
-from cost.terms.tensor_parallel import tp_small_collectives
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM", "CPU_ADAM_BYTES_PER_PARAM", "FP8_CAST_BYTES_PER_INPUT_BYTE",
@@ -232,8 +232,10 @@ def predict(
     times = step_node_times(facts, cluster, lay)
     fwd, bwd = compute_per_stage(facts, cluster, lay, times)
     host = host_overhead_per_stage(facts, cluster, lay)
-    recomp = rerun_per_stage(node_stages(facts, cluster, lay), times,
-                             columns(facts, recompute_choice(facts, cluster, lay)).rerun, pp)
+    choice = recompute_choice(facts, cluster, lay)
+    recomp = rerun_per_stage(node_stages(facts, cluster, lay), times, columns(facts, choice).rerun, pp)
+    if choice.mode != "none":  # and the SP gathers the recomputed values start from
+        recomp = recomp + sp_regather(facts, cluster, lay, scale, n_layers, pp)
     tp_comm, tp_hidden_fwd, tp_hidden_bwd = tp_comm_terms(facts, cluster, lay, times, scale,
                                                           n_layers, pp)
     cp_comm = cp_exposed(facts, cluster, lay, times, scale)

@@ -26,9 +26,11 @@ Which values are in R (`values_to_recompute`), per mode:
 
 and in every mode never a random op (a dropout replayed would draw another mask: its outputs,
 the mask included, are kept; attention kernels count as random: their outputs are kept), a
-collective (`_c10d_functional.*`: recomputing it would move the data again; its output is
-kept), an op that mutates an argument, or a value some op mutates, or a getitem of a value
-that is kept (it reads the kept tuple anyway).
+collective other than an all-gather (`_c10d_functional.*`: a reduction's output is kept; an
+all-gather, TP+SP's sequence gather before a column matmul, is redone from the kept shards, as
+Megatron-SP does, so its full-sequence output is never held to the backward), an op that
+mutates an argument, or a value some op mutates, or a getitem of a value that is kept (it
+reads the kept tuple anyway).
 """
 
 from __future__ import annotations
@@ -85,12 +87,18 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags or _op_name(node) in _RANDOM
 
 
-def _is_attention(node: fx.Node) -> bool:
-    return "attention" in _op_name(node)
-
-
 def _is_collective(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+def _is_gather(node: fx.Node) -> bool:
+    """An all-gather, or the wait of one: redone in the backward when its output is recomputed
+    (Megatron-SP's choice: the sequence-gathered matmul input is not kept, the backward gathers
+    it again from the kept shards; every rank runs the same graph, so the copies are issued
+    in the same order on every rank)."""
+    if _op_name(node) == "wait_tensor":
+        return bool(node.all_input_nodes) and _is_gather(node.all_input_nodes[0])
+    return _op_name(node) in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced")
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -119,8 +127,8 @@ def _is_heavy(node: fx.Node) -> bool:
 
 
 def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None]) -> list[fx.Node]:
-    """The forward nodes "full" may recompute, in graph order (the module docstring's rule),
-    getitems left out (they follow their tuple)."""
+    """The forward nodes "full" may recompute, in graph order (the module docstring's rule;
+    `values_to_recompute` drops the getitems of kept tuples)."""
     nodes = list(gm.graph.nodes)
     mutated = {a for n in nodes if n.op == "call_function" and _mutates(n) for a in n.all_input_nodes}
     out = []
@@ -128,7 +136,8 @@ def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None]) -> list[fx
         layer = layers.get(node.name)
         if node.op != "call_function" or is_backward(node) or layer is None:
             continue
-        if _is_random(node) or _is_collective(node) or _mutates(node) or node in mutated:
+        if _is_random(node) or (_is_collective(node) and not _is_gather(node)) or _mutates(node) \
+                or node in mutated:
             continue
         # the block's output feeds the next block: kept, as every block's input is
         if any(u.op == "output" or (not is_backward(u) and layers.get(u.name) != layer)
@@ -143,8 +152,8 @@ def values_to_recompute(gm: fx.GraphModule, layers: Mapping[str, int | None],
     """The forward values the backward may recompute under ``mode`` (see the module docstring).
 
     ``layers``: the block index of each node (None or absent: outside the repeated blocks), as
-    `autopar.analysis` finds it. ``also`` (mode "selective" only): heavy nodes (matmuls,
-    attention; `heavy_groups` keys them) whose outputs are recomputed too."""
+    `autopar.analysis` finds it. ``also`` (mode "selective" only): heavy nodes (matmuls;
+    `heavy_groups` keys them) whose outputs are recomputed too."""
     if mode not in MODES:
         raise ValueError(f"recompute mode {mode!r}: one of {', '.join(MODES)}")
     if also and mode != "selective":
@@ -162,16 +171,12 @@ def values_to_recompute(gm: fx.GraphModule, layers: Mapping[str, int | None],
     return frozenset(out)
 
 
-def _label(node: fx.Node) -> str:
-    return "attention" if _is_attention(node) else _op_name(node)
-
-
 def heavy_groups(gm: fx.GraphModule, layers: Mapping[str, int | None],
                  modules: Mapping[str, str], weight_of: Mapping[str, str]) -> dict[str, str]:
     """Every heavy node "full" recomputes and "selective" keeps -> its group: what a partial
     choice names. A matmul reading a weight is named by the weight, block indices as ``*``
     (``layers.*.mlp.up_proj.weight``, `cost.plan_types.block_pattern`); any other heavy node by
-    its module and op (``layers.*.attn:attention``); a second alike node in one block gets
+    its module and op (``layers.*.moe:bmm``); a second alike node in one block gets
     ``#1``, and so on. Alike blocks give alike names: a group holds one node per block.
 
     ``modules``: node -> qualified module name; ``weight_of``: forward matmul -> its weight."""
@@ -182,7 +187,7 @@ def heavy_groups(gm: fx.GraphModule, layers: Mapping[str, int | None],
             continue
         weight = weight_of.get(node.name)
         base = (block_pattern(weight) if weight
-                else f"{block_pattern(modules.get(node.name, ''))}:{_label(node)}")
+                else f"{block_pattern(modules.get(node.name, ''))}:{_op_name(node)}")
         count = seen.get((layers.get(node.name), base), 0)
         seen[(layers.get(node.name), base)] = count + 1
         out[node.name] = base if count == 0 else f"{base}#{count}"

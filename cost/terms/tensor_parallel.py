@@ -78,10 +78,10 @@ def tp_comm(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarray,
     return facts._memo[key]
 
 
-def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):
-    tp, cp, ev, nodes = lay.tp, lay.cp, facts.events, facts.nodes
-    group = tp_group(cluster, tp)
-    ev_bytes = ev.bytes * np.where(ev.batch_dep, scale / cp, 1.0)
+def _event_costs(facts, cluster, lay, scale) -> np.ndarray:
+    """Seconds of every TP event (`EventTable` row) for one micro-batch."""
+    ev, group = facts.events, tp_group(cluster, lay.tp)
+    ev_bytes = ev.bytes * np.where(ev.batch_dep, scale / lay.cp, 1.0)
     cost = np.zeros(len(ev_bytes))
     # events repeat per block: price each distinct (collective, size) once
     for is_reduce, always in {(bool(a), bool(b)) for a, b in zip(ev.reduce, ev.always)}:
@@ -92,6 +92,28 @@ def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):
         sizes, index = np.unique(ev_bytes[sel], return_inverse=True)
         priced = np.array([collective_time(kind, float(nb), group, cluster) for nb in sizes])
         cost[sel] = priced[index]
+    return cost
+
+
+def sp_regather(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float, n_layers: int,
+                pp: int) -> np.ndarray:
+    """Exposed seconds per stage, for one micro-batch, of the SP all-gathers a recomputing
+    backward runs again (passes/recompute.py redoes a block's sequence gather rather than
+    keeping its full-sequence output, as Megatron-SP does), hidden as the forward's are."""
+    if lay.tp == 1 or not lay.sp:
+        return np.zeros(pp)
+    ev = facts.events
+    cost = _event_costs(facts, cluster, lay, scale)
+    regathered = ~ev.reduce & ev.forward & ~ev.always & (ev.layer >= 0) & (ev.layer < n_layers)
+    overlap = comm_overlap(cluster) * cluster.params.tp_overlap
+    slot_stage = stage_of(facts, ev.layer, cluster, lay)
+    return np.bincount(slot_stage, weights=cost * regathered * (1.0 - overlap), minlength=pp)
+
+
+def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):
+    ev, nodes = facts.events, facts.nodes
+    group = tp_group(cluster, lay.tp)
+    cost = _event_costs(facts, cluster, lay, scale)
     # per block: overlappable collectives hide behind their matmuls, the rest is exposed
     slots = n_layers + 2  # -1 (before the blocks) .. n_layers (after)
     ev_slot = np.clip(ev.layer, -1, n_layers) + 1
