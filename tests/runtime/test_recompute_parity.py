@@ -70,17 +70,7 @@ def _worker(rank: int, world: int) -> list[tuple]:
                 failures.append((*label, "plan.recompute", list(pm.plan.recompute)))
             if not any("recomputes" in n.meta for n in pm._rank_graph.gm.graph.nodes):
                 failures.append((*label, "no recomputed node in the rank's graph"))
-            loss = pm(*batch)
-            loss.backward()
-            ref_loss = ref(*batch)
-            ref_loss.backward()
-            if not _close(loss, ref_loss.detach()):
-                failures.append((*label, "loss", loss.item(), ref_loss.item()))
-            named = dict(ref.named_parameters())
-            for pname, p in pm.named_parameters():
-                if not _close(p.grad.full_tensor(), named[pname].grad):
-                    diff = (p.grad.full_tensor() - named[pname].grad).abs().max().item()
-                    failures.append((*label, f"grad {pname}", diff))
+            failures += _compare(pm, ref, batch, label)
     return failures
 
 
