@@ -233,6 +233,10 @@ class Layout:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+# the pipeline schedules `autopar.parallelize` executes (runtime/pipeline.py)
+PIPELINE_SCHEDULES_RUN = ("afab", "1f1b")
+
+
 def unsupported_decisions(layout: Layout) -> list[str]:
     """The decisions of ``layout`` that `autopar.parallelize` cannot execute yet, in words.
 
@@ -241,7 +245,15 @@ def unsupported_decisions(layout: Layout) -> list[str]:
     """
     out = []
     if layout.pp > 1:
-        out.append(f"pipeline parallelism (pp={layout.pp})")
+        # the pipeline runs torch.distributed.pipelining's GPipe and 1F1B over the plan's cuts
+        # (passes/pipeline_split.py, runtime/pipeline.py); DP / ZeRO-1 reduce after the schedule
+        if layout.schedule not in PIPELINE_SCHEDULES_RUN or layout.virtual_stages > 1:
+            out.append(f"the pipeline schedule {layout.schedule!r}"
+                       + (f" with {layout.virtual_stages} virtual stages" if layout.virtual_stages > 1 else "")
+                       + f" (pp={layout.pp}; runs: {', '.join(PIPELINE_SCHEDULES_RUN)})")
+        if layout.zero >= 2:
+            out.append(f"ZeRO-{layout.zero} inside a pipeline (pp={layout.pp}; runs: ZeRO-0 and 1, "
+                       "the gradients reduced once after the schedule)")
     if layout.cp > 1:
         out.append(f"context parallelism (cp={layout.cp})")
     if layout.ep > 1:

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from cost.layout import Layout
+
+if TYPE_CHECKING:
+    from torch.fx import GraphModule
 
 REPLICATE, SHARD, STRIDED = "replicate", "shard", "strided"
 LOSS = "<loss>"  # what the loss's accumulator input of a graph accumulates
@@ -270,3 +274,57 @@ class GraphSignature:
     def placeholder_of(self, kind: str) -> dict[str, str]:
         """name -> placeholder node name, for the inputs of one kind."""
         return {name: node for (k, name), node in zip(self.inputs, self.placeholders) if k == kind}
+
+
+# The pipeline split (passes/pipeline_split.py) as the runtime (runtime/pipeline.py) runs it.
+
+@dataclass(frozen=True)
+class StageInput:
+    """What feeds one placeholder of a stage graph.
+
+    kind: "recv" (value ``index`` of the channel from the previous stage), "saved" (forward
+    output ``index`` of the same stage's saved values), "grad" (slot ``index`` of the gradient
+    channel from the next stage), or a leaf of the joint graph: "param", "buffer", "input",
+    "tangent", "zero_tangent" (``name`` as in the joint graph's `GraphSignature`).
+    """
+
+    kind: str
+    name: str = ""
+    index: int = -1
+
+
+@dataclass
+class StageGraphs:
+    """One stage's forward and backward graphs and what their inputs and outputs are."""
+
+    stage: int
+    forward: GraphModule
+    forward_inputs: list[StageInput]
+    # forward outputs, in order: the values sent on (n_sends), the saved values (n_saved),
+    # the loss if ``has_loss``, then the new value of each buffer in ``buffers``
+    n_sends: int
+    n_saved: int
+    has_loss: bool
+    buffers: list[str]
+    backward: GraphModule
+    backward_inputs: list[StageInput]
+    # backward outputs: one per slot of the previous channel (None where unused), then the
+    # gradient (or this stage's part of it, for a shared parameter) of each of ``grads``
+    n_grad_sends: int
+    grads: list[str]
+    params: list[str]  # the parameters this stage holds (reads)
+
+
+@dataclass
+class PipelineGraphs:
+    """The split: per stage its graphs; per cut the values crossing it."""
+
+    stages: list[StageGraphs]
+    channels: list[list[str]]  # C_s: the forward values sent from stage s to s+1
+    grad_slots: list[dict[int, str]]  # per C_s: slot -> the backward value sent from s+1 to s
+    shared: dict[str, list[int]] = field(default_factory=dict)  # parameter -> its stages (> 1)
+
+    @property
+    def pp(self) -> int:
+        """Number of stages."""
+        return len(self.stages)

@@ -12,6 +12,8 @@ Among equally heavy cuts the even split is kept.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
 
@@ -53,3 +55,46 @@ def balanced_cuts(block_cost: np.ndarray, pp: int, before: float = 0.0,
         out[i:j] = k
         j = i
     return out
+
+
+def effective_layers(nodes: Iterable[tuple[str, bool, int | None]], n_layers: int) -> dict[str, int]:
+    """The slot of every node of a joint graph, given in execution order as (name, is_backward,
+    block index or None): a node inside a block gets its block; a node outside the blocks goes
+    to the block last entered in its own pass, so before the first block -1 (the first stage)
+    and after the last block ``n_layers`` (the last stage). The backward runs the blocks in
+    reverse: its nodes before the last block's backward are the head's and the loss's
+    (``n_layers``), those after block 0's backward the embedding's (-1).
+
+    One rule for the cost model (`autopar.search.facts`) and the pipeline split that runs the
+    plan (`passes.pipeline_split`), so a node is priced on the stage it runs on.
+    """
+    out: dict[str, int] = {}
+    fwd_current, bwd_current = -1, n_layers
+    for name, backward, layer in nodes:
+        if layer is not None:
+            out[name] = layer
+            if backward:
+                bwd_current = layer if layer > 0 else -1
+            else:
+                fwd_current = layer if layer < n_layers - 1 else n_layers
+            continue
+        out[name] = bwd_current if backward else fwd_current
+    return out
+
+
+def slot_stage_map(stages: Sequence[tuple[int, int]], n_layers: int) -> np.ndarray:
+    """Stage of every slot (index = block + 1: 0 before the blocks, ``n_layers`` + 1 after)
+    from a plan's stages, (first, last) block of each."""
+    out = np.zeros(n_layers + 2, dtype=int)
+    for s, (first, last) in enumerate(stages):
+        out[first + 1:last + 2] = s
+    out[-1] = len(stages) - 1
+    return out
+
+
+def node_stages(nodes: Iterable[tuple[str, bool, int | None]], n_layers: int,
+                stages: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """The pipeline stage of every node (given as for `effective_layers`) under ``stages``,
+    (first, last) block of each: where the pipeline split runs it and the cost model prices it."""
+    slot = slot_stage_map(stages, n_layers)
+    return {name: int(slot[layer + 1]) for name, layer in effective_layers(nodes, n_layers).items()}

@@ -78,7 +78,8 @@ def _op_name(node: fx.Node) -> str:
     return getattr(packet, "__name__", "") if packet is not None else ""
 
 
-def _is_random(node: fx.Node) -> bool:
+def is_random(node: fx.Node) -> bool:
+    """A random op (a replay would draw other numbers) or a seeded attention kernel."""
     # attention kernels are tagged seeded (their dropout_p): kept even at dropout_p 0, which
     # also keeps what is dear to recompute and cheap to store (out and logsumexp); measured on
     # the 4-block llama (h512, s512, b4, fp32), recomputing them in "full" raised the peak from
@@ -87,7 +88,8 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags or _op_name(node) in _RANDOM
 
 
-def _is_collective(node: fx.Node) -> bool:
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective (or its wait)."""
     return getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
 
 
@@ -101,7 +103,8 @@ def _is_gather(node: fx.Node) -> bool:
     return _op_name(node) in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced")
 
 
-def _mutates(node: fx.Node) -> bool:
+def mutates(node: fx.Node) -> bool:
+    """An op that writes into one of its arguments."""
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
 
@@ -130,13 +133,13 @@ def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None]) -> list[fx
     """The forward nodes "full" may recompute, in graph order (the module docstring's rule;
     `values_to_recompute` drops the getitems of kept tuples)."""
     nodes = list(gm.graph.nodes)
-    mutated = {a for n in nodes if n.op == "call_function" and _mutates(n) for a in n.all_input_nodes}
+    mutated = {a for n in nodes if n.op == "call_function" and mutates(n) for a in n.all_input_nodes}
     out = []
     for node in nodes:
         layer = layers.get(node.name)
         if node.op != "call_function" or is_backward(node) or layer is None:
             continue
-        if _is_random(node) or (_is_collective(node) and not _is_gather(node)) or _mutates(node) \
+        if is_random(node) or (is_collective(node) and not _is_gather(node)) or mutates(node) \
                 or node in mutated:
             continue
         # the block's output feeds the next block: kept, as every block's input is

@@ -37,6 +37,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from cost.plan_types import LOSS
+from runtime.pipeline import PipelinePlan, gather_rows, reduce_data_parallel, run_pipeline_step
 
 
 @dataclass
@@ -56,6 +57,9 @@ class RankGraph:
     token_counter: Callable[[tuple], int] | None = None
     dp: int = 1  # data-parallel ranks the step's valid tokens are summed over
     dp_group: object = None  # their process group (torch.distributed.ProcessGroup)
+    # a pipeline stage's step (runtime/pipeline.py): ``gm`` is the whole rank graph, kept for
+    # reading; the stage's own graphs run under the plan's schedule
+    pipeline: PipelinePlan | None = None
 
 
 class _JointStep(torch.autograd.Function):
@@ -119,6 +123,40 @@ class _JointStep(torch.autograd.Function):
         return (None, None, None, None, *scaled)
 
 
+class _PipelineStep(torch.autograd.Function):
+    """A pipeline stage's step: the schedule runs in the forward (every micro-batch's forward
+    and backward), the summed gradients are handed to the parameters by ``loss.backward()``.
+
+    Data parallelism around the pipeline: ZeRO-1's rows are all-gathered before the schedule
+    and the gradients (with the loss) averaged over the dp ranks after it, each ZeRO-1 rank
+    keeping its rows (`runtime.pipeline.reduce_data_parallel`)."""
+
+    @staticmethod
+    def forward(ctx, rank_graph: RankGraph, names: list[str], buffers: dict, user_inputs: tuple, *params):
+        plan = rank_graph.pipeline
+        dp, group = rank_graph.dp, rank_graph.dp_group
+        sharded = set(plan.zero_sharded) if dp > 1 else set()
+        local = {}
+        for name, p in zip(names, params):
+            t = p.to_local() if isinstance(p, DTensor) else p
+            local[name] = gather_rows(t, dp, group) if name in sharded else t
+        seeds = _seeds(rank_graph, user_inputs, user_inputs[0].device)
+        loss, grads = run_pipeline_step(plan, local, buffers, user_inputs, seeds)
+        if dp > 1:
+            rank = torch.distributed.get_rank(group)
+            loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank)
+        ctx.grads = []
+        for name, p in zip(names, params):
+            g = grads.get(name)
+            if g is not None and isinstance(p, DTensor):
+                g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
+            ctx.grads.append(g)
+        return loss
+
+    backward = staticmethod(_JointStep.backward)
+
+
 def _seeds(rank_graph: RankGraph, user_inputs: tuple, device) -> list[float]:
     """The loss's seed gradient per micro-batch: d * n_k / N with a token counter, else 1/m."""
     m = rank_graph.micro_batches
@@ -142,4 +180,5 @@ def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], 
     ``rank_graph.buffer_index`` are updated in place with the step's new values.
     """
     names = [n for n, _ in params]
-    return _JointStep.apply(rank_graph, names, buffers, tuple(user_inputs), *[p for _, p in params])
+    step = _PipelineStep if rank_graph.pipeline is not None else _JointStep
+    return step.apply(rank_graph, names, buffers, tuple(user_inputs), *[p for _, p in params])

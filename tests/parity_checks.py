@@ -22,8 +22,8 @@ def contract(pm, label, allowed_fallbacks: Sequence[str] = ()) -> list[tuple]:
     from autopar.execution.parallelize import placement_of
 
     failures = []
-    axes = pm.mesh.mesh_dim_names
     for name, p in pm.named_parameters():
+        axes = p.device_mesh.mesh_dim_names  # under a pipeline: the (dp, tp) mesh of its stage
         runs = {axis: str(placement_of(q)) for axis, q in zip(axes, p.placements)
                 if axis in pm.plan.placements[name]}
         if runs != pm.plan.placements[name]:

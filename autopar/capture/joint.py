@@ -219,7 +219,7 @@ def capture(
             root = _PickLoss(root)  # a transformers ModelOutput: train on its .loss
         t_preflight = time.perf_counter() - t0
         try:
-            with _track_modules({id(m): n for n, m in model.named_modules()}) as spans:
+            with _track_modules({id(m): n for n, m in model.named_modules()}):
                 traced = torch.export.export(root, fake_inputs, strict=False).module() if via_export else root
                 wrapper = "model." if root is not model else ""
                 gm, inputs, outputs = _joint(traced, fake_inputs, wrapper)
@@ -228,7 +228,7 @@ def capture(
         except Exception as exc:
             raise CaptureError.from_exception(exc, module_names) from exc
     if not via_export:  # export's own nn_module_stack metadata serves otherwise
-        _label_modules(gm, spans)
+        _label_modules(gm)
     gm, inputs, outputs, aliases = _merge_tied(gm, inputs, outputs, groups)
     shapes, dtypes = {}, {}
     for node in gm.graph.nodes:
@@ -362,14 +362,19 @@ def _mutated_buffer(mutated, prefix: str = "") -> str:
     )
 
 
+_MODULE = "autopar_module"  # node meta: the innermost module whose forward made the node
+
+
 @contextlib.contextmanager
 def _track_modules(names: dict[int, str]):
-    """Record which module produced which graph nodes while AOTAutograd traces the forward.
+    """Label the graph nodes each module makes while AOTAutograd traces the forward.
 
-    Global forward hooks note the tracer's node count when each module is entered and left;
-    yields the list of (module name, first node index, end index) spans. Tracing the eager
-    module directly is about three times faster than going through torch.export first, and
-    this is the one piece of export's metadata the analysis needs.
+    Global forward hooks note the tracer graph's last node when a module is entered; when it
+    is left, the nodes made since get the module's name (``meta[_MODULE]``) unless an inner
+    module labelled them first. Labels sit on the nodes themselves: the tracer later removes
+    dead nodes from the same graph, which would shift any position-based record. Tracing the
+    eager module directly is about three times faster than going through torch.export first,
+    and this is the one piece of export's metadata the analysis needs.
     """
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
     from torch.nn.modules.module import (
@@ -377,42 +382,41 @@ def _track_modules(names: dict[int, str]):
         register_module_forward_pre_hook,
     )
 
-    open_calls: list[tuple[str, int]] = []
-    spans: list[tuple[str, int, int]] = []
+    open_calls: list[tuple[str, object]] = []
 
     def enter(module, args):
         mode = get_proxy_mode()
         if mode is not None and id(module) in names:
-            open_calls.append((names[id(module)], len(mode.tracer.graph.nodes)))
+            last = next(iter(reversed(mode.tracer.graph.nodes)), None)
+            open_calls.append((names[id(module)], last))
 
     def leave(module, args, output):
         mode = get_proxy_mode()
         if mode is not None and id(module) in names and open_calls:
-            name, start = open_calls.pop()
-            spans.append((name, start, len(mode.tracer.graph.nodes)))
+            name, before = open_calls.pop()
+            for node in reversed(mode.tracer.graph.nodes):
+                if node is before:
+                    break
+                node.meta.setdefault(_MODULE, name)
 
     handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     try:
-        yield spans
+        yield
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _label_modules(gm: torch.fx.GraphModule, spans: list[tuple[str, int, int]]) -> None:
+def _label_modules(gm: torch.fx.GraphModule) -> None:
     """Set node.meta["module"]: the innermost module of each forward node, and for backward
     nodes the module of the forward node with the same autograd sequence number."""
     nodes = list(gm.graph.nodes)
-    labels = [""] * len(nodes)
-    # Outer spans first, so inner (later-starting, shorter) spans overwrite them.
-    for name, start, end in sorted(spans, key=lambda s: (s[1], -s[2])):
-        for i in range(start, min(end, len(nodes))):
-            labels[i] = name
     by_seq: dict[int, str] = {}
-    for node, label in zip(nodes, labels):
+    for node in nodes:
         if node.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in node.meta:
-            by_seq.setdefault(node.meta["seq_nr"], label)
-    for node, label in zip(nodes, labels):
+            by_seq.setdefault(node.meta["seq_nr"], node.meta.get(_MODULE, ""))
+    for node in nodes:
+        label = node.meta.pop(_MODULE, "")
         if node.meta.get("partitioner_tag") == "is_backward":
             label = by_seq.get(node.meta.get("seq_nr"), "")
         node.meta["module"] = label

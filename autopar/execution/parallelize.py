@@ -62,14 +62,17 @@ from cost.plan_types import (
     PlanDecisions,
     RecomputeChoice,
 )
+from cost.stages import node_stages
 from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
-from passes.recompute import apply_recompute, heavy_groups, values_to_recompute
+from passes.pipeline_split import PipelineSplitError, split_pipeline
+from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
 from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
 from passes.token_count import token_counter, weight_loss_by_seed
 from runtime.executor import RankGraph, run_step
+from runtime.pipeline import PipelinePlan
 
 
 class UnsupportedLayoutError(AutoparError):
@@ -133,6 +136,10 @@ class ParallelModule(nn.Module):
         head = f"# per-rank graph of rank {me} (layout {self.plan.layout.short()})"
         if rank is not None and rank != me:
             head += f"; rank {rank} runs the same graph on its own shards"
+        if self._rank_graph.pipeline is not None:
+            if rank is not None and rank != me:
+                head += " if it runs the same pipeline stage (each stage runs its own graphs)"
+            return _dump_stage(head, self._rank_graph.pipeline, self.plan)
         nodes = list(self._rank_graph.gm.graph.nodes)
         reasons = {n.name: n.meta["autopar"] for n in nodes if "autopar" in n.meta}
         lines = [head]
@@ -154,6 +161,39 @@ class ParallelModule(nn.Module):
                 line = f"{line}  # {reasons[name]}"
             lines.append(line)
         return "\n".join(lines)
+
+
+def _dump_stage(head: str, pipeline: PipelinePlan, plan: Plan) -> str:
+    """A pipeline stage's forward and backward graphs, inputs and outputs named."""
+    s, pp = pipeline.stage, pipeline.pp
+    graphs = pipeline.graphs.stages[s]
+    first, last = plan.stages[s]
+    where = ("the embedding, " if s == 0 else "") + f"blocks {first}..{last}" + \
+        (", the head and the loss" if s == pp - 1 else "")
+    lines = [head, f"# pipeline stage {s} of {pp} ({where}), schedule {pipeline.schedule}, "
+             f"{plan.layout.grad_accum} micro-batches; parameters held: {len(graphs.params)}"
+             + (f"; shared with other stages: {sorted(pipeline.shared_groups)}" if pipeline.shared_groups else "")]
+
+    def body(gm, inputs, title, outputs):
+        lines.append(f"# {title}, once per micro-batch; inputs:")
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, source in zip(holders, inputs):
+            what = {"recv": f"received from stage {s - 1}", "saved": "saved by this stage's forward",
+                    "grad": f"gradient slot {source.index}, received from stage {s + 1}",
+                    "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss"}
+            lines.append(f"#   {node.name}: {what.get(source.kind, source.kind)} {source.name}")
+        lines.append(f"# outputs: {outputs}")
+        reasons = {n.name: n.meta["autopar"] for n in gm.graph.nodes if "autopar" in n.meta}
+        for line in gm.code.splitlines():
+            name = line.strip().split(" = ")[0] if " = " in line else ""
+            lines.append(f"{line}  # {reasons[name]}" if name in reasons else line)
+
+    sends = f"{graphs.n_sends} values sent to stage {s + 1}, " if s < pp - 1 else ""
+    body(graphs.forward, graphs.forward_inputs, "forward",
+         sends + f"{graphs.n_saved} saved for the backward" + (", the loss x its seed" if graphs.has_loss else ""))
+    grads = f"{graphs.n_grad_sends} gradient slots sent to stage {s - 1}, " if s > 0 else ""
+    body(graphs.backward, graphs.backward_inputs, "backward", grads + f"gradients of {len(graphs.grads)} parameters")
+    return "\n".join(lines)
 
 
 def parallelize(
@@ -225,9 +265,15 @@ def parallelize(
     choice = decisions.recompute_choice
     groups: dict[str, str] = {}
     layers: dict[str, int | None] = {}
-    if choice.mode != "none":
+    captured_stage: dict[str, int] = {}
+    if choice.mode != "none" or lay.pp > 1:
         analysis = analyze(graph)
         layers = {name: info.layer for name, info in analysis.nodes.items()}
+    if lay.pp > 1:  # each captured node's stage, as the cost model cuts and prices them
+        order = ((i.name, i.phase == "backward", i.layer) for i in analysis.nodes.values())
+        captured_stage = node_stages(order, analysis.blocks.count if analysis.blocks else 0,
+                                     decisions.stages)
+    if choice.mode != "none":
         forward_mm = {mm: w for w, mms in weight_matmuls(gm, signature).items() for mm in mms.forward}
         groups = heavy_groups(gm, layers, {n: i.module for n, i in analysis.nodes.items()}, forward_mm)
         unknown = set(choice.outputs) - set(groups.values())
@@ -274,7 +320,10 @@ def parallelize(
     weight_loss_by_seed(gm, signature)
     accumulate_gm = None
     inputs = list(signature.inputs)
-    if lay.dp > 1:
+    pipeline = None
+    if lay.pp > 1:  # after every other pass: the stages run the rewritten graph's nodes
+        pipeline = _pipeline(gm, signature, captured_stage, decisions, mesh, lay.tp > 1)
+    elif lay.dp > 1:
         group = AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh))
         dp_plan = decisions.data_parallel()
         # whole gradients on every rank (DP, ZeRO-1): reduce once per step, after the last
@@ -298,13 +347,62 @@ def parallelize(
         token_counter=counter,
         dp=lay.dp,
         dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
+        pipeline=pipeline,
     )
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
+    # (under a pipeline only those of this rank's stage)
     module = copy.deepcopy(model)
-    unloaded = _to_dtensors(module, mesh, decisions, graph.aliases)
+    held = set(pipeline.graphs.stages[pipeline.stage].params) if pipeline else None
+    unloaded = _to_dtensors(module, mesh, decisions, graph.aliases, held)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
-    return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, list(signature.placeholder_of("param")),
+    canonical = [p for p in signature.placeholder_of("param") if held is None or p in held]
+    return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, canonical,
                           local_batch=local_batch, unloaded=unloaded)
+
+
+def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], decisions: PlanDecisions,
+              mesh: DeviceMesh, retraced: bool) -> PipelinePlan:
+    """Cut this rank's graph into the plan's stages (`passes.pipeline_split`) and set up the
+    groups the step talks over: the pipeline's ranks, the stages sharing a parameter.
+
+    A node runs on the stage of the captured node it comes from (``captured_stage``: the cost
+    model's cut); a node the passes added (a collective's wait, the loss's weighting) on the
+    latest stage of its inputs in the forward, the earliest in the backward."""
+    lay = decisions.layout
+    node_stage: dict[str, int] = {}
+    backward: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        inputs = [node_stage[i.name] for i in n.all_input_nodes if i.name in node_stage]
+        if is_backward(n) or any(i.name in backward for i in n.all_input_nodes):
+            backward.add(n.name)
+        source = _source(n, retraced)
+        if source in captured_stage:
+            node_stage[n.name] = captured_stage[source]
+        elif n.name in backward:
+            node_stage[n.name] = min(inputs, default=lay.pp - 1)
+        else:
+            node_stage[n.name] = max(inputs, default=0)
+    try:
+        split = split_pipeline(gm, signature, node_stage, lay.pp)
+    except PipelineSplitError as exc:
+        raise UnsupportedLayoutError(f"layout {lay.short()}: the stages {decisions.stages} cannot be "
+                                     f"run: {exc}") from exc
+    stage = mesh.get_local_rank("pp")
+    grid = mesh.mesh  # (dp, pp, tp) -> global rank
+    shared_groups = {}
+    for name, stages in sorted(split.shared.items()):
+        for d in range(lay.dp):  # every rank creates every group, in the same order
+            for t in range(lay.tp):
+                ranks = [int(grid[d, s, t]) for s in stages]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    shared_groups[name] = group
+    zero_rows = [p for p, decided in decisions.params.items() if decided.placements["dp"].is_shard]
+    return PipelinePlan(graphs=split, stage=stage, group=mesh["pp"].get_group(),
+                        schedule=lay.schedule, shared_groups=shared_groups,
+                        zero_sharded=zero_rows)
 
 
 def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str], choice: RecomputeChoice,
@@ -341,14 +439,16 @@ def _signature(gm, inputs, grad_index, loss_index, buffer_index) -> GraphSignatu
 
 
 def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> DeviceMesh:
-    """A ("dp", "tp") mesh for the layout: the user's, if it already has that shape."""
-    shape = (layout.dp, layout.tp)
-    if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("dp", "tp") and tuple(mesh.shape) == shape:
+    """A ("dp", "tp") mesh for the layout, ("dp", "pp", "tp") under a pipeline (the playbook's
+    rank order: TP innermost, in a node): the user's, if it already has that shape."""
+    names = ("dp", "pp", "tp") if layout.pp > 1 else ("dp", "tp")
+    shape = (layout.dp, layout.pp, layout.tp) if layout.pp > 1 else (layout.dp, layout.tp)
+    if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == names and tuple(mesh.shape) == shape:
         return mesh
-    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and tuple(mesh.shape) != shape:
+    if isinstance(mesh, DeviceMesh) and mesh.ndim > 1:
         raise InputError(f"the mesh has shape {tuple(mesh.shape)} but the plan's layout {layout.short()} "
-                         f"needs (dp, tp) = {shape}: pass mesh={mesh.size()} and let autopar build it")
-    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))
+                         f"needs {names} = {shape}: pass mesh={mesh.size()} and let autopar build it")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def _dp_rank(mesh: DeviceMesh) -> int:
@@ -448,14 +548,18 @@ def _local_shard(data: torch.Tensor, place: AxisPlacement, n: int, rank: int) ->
 
 
 def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
-                 aliases: dict[str, str]) -> set[str]:
+                 aliases: dict[str, str], held: set[str] | None = None) -> set[str]:
     """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placements.
 
     On the ("dp", "tp") mesh a weight is first split over TP, then (ZeRO) its TP shard's rows
     over DP; when both split dim 0 that is DTensor's right-to-left `_StridedShard` order.
     A parameter on the meta device gets only this rank's shard, allocated and left unset (NaN
     where floating): returns those parameters' names, to be filled from a checkpoint.
+    ``held``: under a pipeline, the parameters of this rank's stage; the others are removed
+    from the module (their DTensors live on the (dp, tp) mesh of this rank's stage).
     """
+    if held is not None:
+        mesh = mesh["dp", "tp"]
     device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
               else torch.device(mesh.device_type))
     unloaded: set[str] = set()
@@ -467,7 +571,11 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
             if p is None:
                 continue
             full_name = f"{mod_name}.{pname}" if mod_name else pname
-            decided = decisions.params[aliases.get(full_name, full_name)]
+            canonical = aliases.get(full_name, full_name)
+            if held is not None and canonical not in held:
+                sub._parameters[pname] = None  # another stage's
+                continue
+            decided = decisions.params[canonical]
             if id(p) not in made:
                 data = p.detach()
                 tp_place = decided.placements.get("tp", AxisPlacement.replicate())

@@ -21,6 +21,7 @@ from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
 from cost.plan_types import GraphSignature
+from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from passes.fp8 import cast_shares, weight_matmuls
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
@@ -209,24 +210,9 @@ def _batch_and_seq(user_inputs) -> tuple[int, int]:
 
 
 def _effective_layers(nodes, analysis: GraphAnalysis, n_layers: int) -> dict[str, int]:
-    """Block index of every node; nodes outside blocks go to the nearest block in execution
-    order: before the first block -1 (stage 0), after the last block n_layers (last stage)."""
-    out: dict[str, int] = {}
-    fwd_current, bwd_current = -1, n_layers
-    for node in nodes:
-        info = analysis.nodes[node.name]
-        if info.layer is not None:
-            out[node.name] = info.layer
-            if info.phase == "forward":
-                fwd_current = info.layer if info.layer < n_layers - 1 else n_layers
-            else:
-                bwd_current = info.layer if info.layer > 0 else -1
-            continue
-        if info.phase == "backward":
-            out[node.name] = bwd_current
-        else:
-            out[node.name] = fwd_current
-    return out
+    """Block index of every node by `cost.stages.effective_layers` (the pipeline split's rule)."""
+    infos = (analysis.nodes[node.name] for node in nodes)
+    return effective_layers(((i.name, i.phase == "backward", i.layer) for i in infos), n_layers)
 
 
 def _expert_modules(graph: TrainingGraph) -> tuple[str, ...]:

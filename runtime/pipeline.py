@@ -1,0 +1,295 @@
+"""Run a pipeline-split training step (`passes.pipeline_split`) on the ranks of a pipeline.
+
+Each rank runs one stage: its forward graph F_s and backward graph B_s, once per micro-batch,
+in the order of a `torch.distributed.pipelining` schedule, which also moves the activations
+and their gradients between neighbouring stages (point-to-point; gloo on CPU).
+
+How the graphs meet PyTorch's schedule runtime: the stage's module is a thin `nn.Module` whose
+forward is an autograd Function; its forward runs F_s (keeping the saved values in the
+Function's context) and returns the values sent on, its backward runs B_s on the gradient
+slots the next stage sent and returns the gradients sent back. The schedule runtime sees an
+ordinary module and runs its own ScheduleGPipe ("afab") and Schedule1F1B ("1f1b") unchanged:
+no home-made scheduler. The parameters' gradients never pass through autograd: B_s returns
+them and the stage adds them up over the micro-batches.
+
+Every stage reads the micro-batch's user inputs (each rank has the batch: the labels reach the
+last stage without travelling through the pipeline) and its seed gradient, both given to the
+schedule as keyword arguments, which it splits into micro-batches for every stage. The last
+stage's output is the loss weighted by its seed (`passes.token_count.weight_loss_by_seed`):
+summed over the micro-batches it is the step's loss, sent to every stage of the pipeline.
+
+A parameter read on several stages (a tied embedding and head) is held by each of them; after
+the step their gradient parts are summed over those stages (`PipelineRanks.shared_groups`).
+Data parallelism around the pipeline reduces the step's summed gradients once, after the
+schedule (`reduce_data_parallel`), as DDP's ``no_sync`` does over micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost.plan_types import PipelineGraphs, StageGraphs, StageInput
+
+
+@dataclass
+class StageFeeds:
+    """What a stage's graphs read besides the pipeline's channels, for one micro-batch."""
+
+    params: Mapping[str, torch.Tensor]  # this rank's local tensors of the stage's parameters
+    buffers: Mapping[str, torch.Tensor]  # the module's buffers (updated in place)
+    inputs: Sequence[torch.Tensor]  # the micro-batch's user inputs
+    seed: torch.Tensor  # the loss's seed gradient (a 0-dim tensor)
+
+
+def run_forward(stage: StageGraphs, feeds: StageFeeds, recv: Sequence[torch.Tensor]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """Run F_s: (values sent on, saved values, the weighted loss on the last stage). The
+    buffers the forward updates are written back into ``feeds.buffers``."""
+    args = _feed(stage.forward, stage.forward_inputs, feeds, recv=recv)
+    with torch.no_grad():
+        out = list(stage.forward(*args))
+    k, n = stage.n_sends, stage.n_saved
+    sends, saved, rest = out[:k], out[k:k + n], out[k + n:]
+    loss = rest.pop(0) if stage.has_loss else None
+    for name, value in zip(stage.buffers, rest):
+        feeds.buffers[name].copy_(value)
+    return sends, saved, loss
+
+
+def run_backward(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[torch.Tensor],
+                 grads_in: Sequence[torch.Tensor | None]
+                 ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
+    """Run B_s: (one value per slot of the previous channel, None where unused; the
+    gradient, or for a shared parameter this stage's part, of each parameter it holds)."""
+    args = _feed(stage.backward, stage.backward_inputs, feeds, saved=saved, grads=grads_in)
+    with torch.no_grad():
+        out = list(stage.backward(*args))
+    sends = out[:stage.n_grad_sends]
+    grads = {p: g for p, g in zip(stage.grads, out[stage.n_grad_sends:]) if g is not None}
+    return sends, grads
+
+
+def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), grads=()) -> list:
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    args = []
+    for holder, source in zip(holders, inputs):
+        kind = source.kind
+        if kind == "recv":
+            args.append(recv[source.index])
+        elif kind == "saved":
+            args.append(saved[source.index])
+        elif kind == "grad":
+            g = grads[source.index]
+            if g is None:  # an unused slot arrives as zeros; a missing one is a bug upstream
+                raise RuntimeError(f"stage {gm}: no gradient in slot {source.index} ({source.name})")
+            args.append(g)
+        elif kind == "param":
+            args.append(feeds.params[source.name])
+        elif kind == "buffer":
+            args.append(feeds.buffers[source.name])
+        elif kind == "input":
+            args.append(feeds.inputs[int(source.name.removeprefix("input"))])
+        elif kind == "tangent":
+            args.append(feeds.seed)
+        elif kind == "zero_tangent":
+            val = holder.meta["val"]
+            args.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=feeds.seed.device))
+        else:
+            raise ValueError(f"unknown stage input kind {kind!r}")
+    return args
+
+
+def run_sequential(split: PipelineGraphs, feeds: StageFeeds
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """All stages in one process, one micro-batch: (weighted loss, gradients), shared
+    parameters' parts summed. What the pipeline computes, without the schedule (for tests)."""
+    recv: Sequence[torch.Tensor] = ()
+    saved_by_stage, loss = [], None
+    for stage in split.stages:
+        recv, saved, out_loss = run_forward(stage, feeds, recv)
+        saved_by_stage.append(saved)
+        loss = out_loss if out_loss is not None else loss
+    grads: dict[str, torch.Tensor] = {}
+    slots: list = []
+    for stage in reversed(split.stages):
+        grads_in = [None] * len(split.channels[stage.stage]) if stage.stage < split.pp - 1 else []
+        for j, g in enumerate(slots):
+            grads_in[j] = g
+        slots, part = run_backward(stage, feeds, saved_by_stage[stage.stage], grads_in)
+        for p, g in part.items():
+            grads[p] = grads[p] + g if p in grads else g
+    return loss, grads
+
+
+@dataclass
+class PipelinePlan:
+    """This rank's part of a pipeline: the split graphs, its stage, the groups it talks over."""
+
+    graphs: PipelineGraphs
+    stage: int
+    group: dist.ProcessGroup  # the ranks of this rank's pipeline, in stage order
+    schedule: str  # "afab" or "1f1b"
+    # shared parameter -> the group of the stages that hold it (this rank among them)
+    shared_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    zero_sharded: list[str] = field(default_factory=list)  # ZeRO-1: rows over the dp ranks
+
+    @property
+    def pp(self) -> int:
+        """Number of stages."""
+        return self.graphs.pp
+
+
+class _StageFunction(torch.autograd.Function):
+    """One micro-batch of one stage, as autograd sees it (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, runner: _StageRunner, inputs: tuple, seed: torch.Tensor, anchor: torch.Tensor,
+                *recv: torch.Tensor):
+        feeds = runner.feeds(inputs, seed)
+        sends, saved, loss = run_forward(runner.graphs, feeds, recv)
+        ctx.runner, ctx.feeds, ctx.saved = runner, feeds, saved
+        outs = [loss] if runner.graphs.has_loss else [s.view_as(s) for s in sends]
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        runner = ctx.runner
+        # the last stage's seed is the micro-batch's own (1 / m or its share of the valid
+        # tokens), not the 1 that the schedule's loss.backward() passes in
+        grads_in = [] if runner.graphs.has_loss else list(grads)
+        sends, parts = run_backward(runner.graphs, ctx.feeds, ctx.saved, grads_in)
+        ctx.saved = ctx.feeds = None
+        for p, g in parts.items():
+            runner.grads[p] = runner.grads[p] + g if p in runner.grads else g
+        return (None, None, None, None, *sends)
+
+
+class _StageRunner(nn.Module):
+    """The stage module the schedule runs: keyword arguments ``input0``... and ``seed``."""
+
+    def __init__(self, graphs: StageGraphs, params: Mapping[str, torch.Tensor],
+                 buffers: Mapping[str, torch.Tensor], n_inputs: int) -> None:
+        super().__init__()
+        self.graphs = graphs
+        self.params = params
+        self.buffer_map = buffers
+        self.n_inputs = n_inputs
+        self.grads: dict[str, torch.Tensor] = {}
+        # makes the Function's outputs require grad on the first stage, whose inputs do not
+        self.anchor = torch.zeros((), requires_grad=True)
+
+    def feeds(self, inputs: tuple, seed: torch.Tensor) -> StageFeeds:
+        return StageFeeds(self.params, self.buffer_map, inputs, seed.reshape(()))
+
+    def forward(self, *recv: torch.Tensor, **kwargs: torch.Tensor):
+        inputs = tuple(kwargs[f"input{i}"] for i in range(self.n_inputs))
+        out = _StageFunction.apply(self, inputs, kwargs["seed"], self.anchor, *recv)
+        return out[0] if self.graphs.has_loss else out
+
+
+def schedule_class(schedule: str, pp: int, micro_batches: int):
+    """The `torch.distributed.pipelining` schedule that runs ``schedule``: ScheduleGPipe for
+    "afab", Schedule1F1B for "1f1b" (with fewer micro-batches than stages 1F1B's warm-up holds
+    them all, which is GPipe's order: PyTorch's 1F1B refuses that case, so GPipe runs it)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    if schedule == "afab" or (schedule == "1f1b" and micro_batches < pp):
+        return ScheduleGPipe
+    if schedule == "1f1b":
+        return Schedule1F1B
+    raise ValueError(f"pipeline schedule {schedule!r} is not executed (runs: afab, 1f1b)")
+
+
+def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
+                      buffers: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor],
+                      seeds: Sequence[float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step of this rank's stage over ``len(seeds)`` micro-batches.
+
+    ``inputs``: the rank's user inputs for the whole step (dim 0 split into the micro-batches);
+    ``params``: the local tensors of the stage's parameters. Returns the step's loss (the same
+    on every stage) and the stage's parameter gradients summed over the micro-batches (shared
+    parameters summed over their stages too).
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    m, pp = len(seeds), plan.pp
+    graphs = plan.graphs.stages[plan.stage]
+    device = inputs[0].device
+    runner = _StageRunner(graphs, params, buffers, len(inputs))
+    stage = PipelineStage(runner, plan.stage, pp, device,
+                          input_args=_channel_example(graphs.forward, graphs.forward_inputs, device),
+                          output_args=_output_example(graphs, device), group=plan.group)
+    losses: list[torch.Tensor] = []
+    schedule = schedule_class(plan.schedule, pp, m)(stage, m, loss_fn=_weighted_loss, scale_grads=False)
+    seed = torch.tensor(list(seeds), dtype=torch.float32, device=device)
+    kwargs = {f"input{i}": x for i, x in enumerate(inputs)}
+    with torch.enable_grad():
+        if plan.stage == pp - 1:
+            schedule.step(target=seed, losses=losses, return_outputs=False, seed=seed, **kwargs)
+        else:
+            schedule.step(return_outputs=False, seed=seed, **kwargs)
+    loss = (torch.stack([x.detach().reshape(()) for x in losses]).sum() if losses
+            else torch.zeros((), dtype=torch.float32, device=device))
+    dist.broadcast(loss, group=plan.group, group_src=pp - 1)
+    grads = runner.grads
+    for p, group in plan.shared_groups.items():
+        g = grads[p] if p in grads else torch.zeros_like(params[p])
+        dist.all_reduce(g, group=group)
+        grads[p] = g
+    return loss, grads
+
+
+def _weighted_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # the last stage already returns loss x seed; the schedule's loss.backward() reaches
+    # _StageFunction.backward, which reads the seed itself
+    return output
+
+
+def _channel_example(gm, inputs: list[StageInput], device) -> tuple[torch.Tensor, ...]:
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(_empty(h.meta["val"], device) for h, i in zip(holders, inputs) if i.kind == "recv")
+
+
+def _output_example(graphs: StageGraphs, device) -> tuple[torch.Tensor, ...]:
+    output = next(n for n in graphs.forward.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    if graphs.has_loss:
+        return (_empty(outs[graphs.n_sends + graphs.n_saved].meta["val"], device),)
+    return tuple(_empty(o.meta["val"], device) for o in outs[:graphs.n_sends])
+
+
+def _empty(val, device) -> torch.Tensor:
+    t = torch.empty(tuple(val.shape), dtype=val.dtype, device=device)
+    if t.is_floating_point():
+        t.requires_grad_(True)
+    return t
+
+
+def reduce_data_parallel(grads: dict[str, torch.Tensor], loss: torch.Tensor, dp: int,
+                         group: dist.ProcessGroup, sharded: Callable[[str], bool] = lambda p: False,
+                         dp_rank: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean over ``dp`` data-parallel pipelines of the step's loss and gradients (one
+    all-reduce of all gradients, flattened; a ZeRO-sharded parameter keeps its rows)."""
+    names = sorted(grads)
+    flat = torch.cat([loss.reshape(1)] + [grads[p].reshape(-1) for p in names]) / dp
+    dist.all_reduce(flat, group=group)
+    out, offset = {}, 1
+    for p in names:
+        n = grads[p].numel()
+        g = flat[offset:offset + n].view_as(grads[p])
+        offset += n
+        out[p] = g.chunk(dp, dim=0)[dp_rank].clone() if sharded(p) else g
+    return flat[0].clone(), out
+
+
+def gather_rows(shard: torch.Tensor, dp: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """ZeRO-1: the whole (TP-local) parameter from every dp rank's rows (dim 0)."""
+    out = torch.empty((shard.shape[0] * dp, *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    return out
