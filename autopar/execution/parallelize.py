@@ -424,11 +424,15 @@ def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str], choice
 
 
 def _source(node, retraced: bool = True) -> str:
+    """The captured node ``node`` comes from: itself, the matmul an FP8 cast serves, the node
+    the TP pass retraced it from, or the forward node a recompute copy rebuilds."""
     served = node.meta.get("custom", {}).get(FP8_FOR)
     if served:
         return served
     sources = (node.meta.get("from_node") or []) if retraced else []
-    return sources[0].name if sources else node.name
+    if sources:
+        return sources[0].name
+    return node.meta.get("recomputes", node.name)
 
 
 def _signature(gm, inputs, grad_index, loss_index, buffer_index) -> GraphSignature:

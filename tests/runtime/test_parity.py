@@ -1,7 +1,8 @@
 """Parity: a parallel training step on gloo ranks equals the single-device step.
 
 Loss, every gradient, and the parameters after 3 AdamW steps, fp32, rtol 1e-5 / atol 1e-6,
-under DP, ZeRO-1/2/3, TP, TP+SP, DP x TP (with ZeRO) and the solver's own plan. One spawn per
+under DP, ZeRO-1/2/3, TP, TP+SP, DP x TP (with ZeRO) and the solver's own plan; the random
+layouts draw pipelines too (test_pipeline_parity.py has the pipeline's own cases). One spawn per
 world size and family of layouts runs every model, to keep the suite fast. Every run also checks
 the plan contract: the DTensor placements of ``pm.parameters()`` are ``pm.plan.placements``, and
 the ops that fell back to replication are exactly the expected ones (none on the zoo).
@@ -200,7 +201,7 @@ _PARTIAL = {"gpt2": "layers.*.mlp.fc.weight", "llama": "layers.*.mlp.up_proj.wei
 
 
 def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int, tp: int, sp: bool,
-                   zero: int, accum: int, recompute: str) -> list:
+                   zero: int, accum: int, recompute: str, pp: int = 1, schedule: str = "1f1b") -> list:
     import dataclasses
 
     import autopar
@@ -211,12 +212,12 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
                               ffn=2 * hidden)
     model = models.build(cfg, seed=5)
     ref = copy.deepcopy(model)
-    dp = world // tp
+    dp = world // (tp * pp)
     batch = models.example_inputs(cfg, batch=2 * dp * accum, seq=8)
     if recompute == "partial":  # selective plus one matmul's outputs, tied across blocks
         recompute = (_PARTIAL[family],)
-    layout = autopar.Layout(dp=dp, tp=tp, sp=sp and tp > 1, zero=zero, microbatch=2, grad_accum=accum,
-                            precision="fp32", recompute=recompute)
+    layout = autopar.Layout(dp=dp, tp=tp, pp=pp, sp=sp and tp > 1, zero=zero, microbatch=2,
+                            grad_accum=accum, precision="fp32", recompute=recompute, schedule=schedule)
     pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
     loss = pm(*batch)
     loss.backward()
@@ -240,10 +241,14 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     zero=st.integers(0, 3),
     accum=st.sampled_from([1, 2]),
     recompute=st.sampled_from(["none", "selective", "full", "partial"]),
+    pp=st.sampled_from([1, 2]),
+    schedule=st.sampled_from(["afab", "1f1b"]),
 )
 def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum,
-                                                    recompute):
-    tp = min(tp, world)
-    results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero, accum, recompute),
-                    timeout_s=300)
+                                                    recompute, pp, schedule):
+    if pp > 1:  # a pipeline: a block per stage at least, ZeRO 0 or 1 around it
+        layers, zero = max(layers, pp), min(zero, 1)
+    tp = min(tp, world // pp)
+    results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero, accum, recompute,
+                                                 pp, schedule), timeout_s=300)
     assert results == [[]] * world

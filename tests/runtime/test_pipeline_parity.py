@@ -1,0 +1,138 @@
+"""Pipeline parallelism on gloo ranks trains like one device.
+
+Loss, every gradient and the updated parameters after 2 SGD then 2 AdamW steps (fp32, rtol 1e-5,
+`parity_checks`), under GPipe ("afab") and 1F1B with 1, 2 and 8 micro-batches, pp=4 (also with
+fewer micro-batches than stages), pp x dp with ZeRO-1, pp x tp with SP, with selective and full
+recompute; on tiny-llama, tiny-gpt2
+(its tied embedding and head live on the first and last stage), tiny-mixtral and a plain-PyTorch
+model of our own. Every parameter lives on exactly one stage (both ends for the tied one), with
+the plan's placements; the stages are the plan's cut. The transformers models run with
+``-m slow``.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from parity_checks import adamw, sgd
+from parity_checks import contract as _contract
+from parity_checks import train_and_compare as _train_and_compare
+from torch import nn
+
+from runtime.launch import spawn
+
+
+class Block(nn.Module):
+    """x + fc2(gelu(fc1(norm(x)))) with its own width: the blocks are unequal."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, inner)
+        self.fc2 = nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class PlainNet(nn.Module):
+    """A model of our own in plain PyTorch: embedding, 4 unequal blocks, a head, cross-entropy."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Block(hidden, hidden * (2 + 2 * (i % 2))) for i in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _model(name: str, layers: int):
+    from autopar import models
+
+    if name == "plain":
+        torch.manual_seed(3)
+        gen = torch.Generator().manual_seed(4)
+        ids = torch.randint(0, 50, (8, 12), generator=gen)
+        return PlainNet(layers=layers), (ids, torch.randint(0, 50, (8, 12), generator=gen))
+    if name.startswith("hf-"):
+        import hf_tiny
+
+        return hf_tiny.build(name[3:], seed=3), hf_tiny.batch(size=8, seq=16)
+    cfg = dataclasses.replace(models.config(name), n_layers=layers)
+    return models.build(cfg, seed=3), models.example_inputs(cfg, batch=8, seq=16)
+
+
+def _pipeline_worker(rank: int, world: int, cases: list[tuple[str, int, dict]]) -> list[tuple]:
+    import torch.distributed as dist
+
+    import autopar
+
+    failures = []
+    for name, layers, degrees in cases:
+        model, batch = _model(name, layers)
+        ref = copy.deepcopy(model)
+        pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
+        label = (name, pm.plan.layout.short(), rank)
+        failures += _contract(pm, label)
+        failures += _train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd, adamw))
+        # every parameter is somewhere, each stage holds its own (the tied one on both ends)
+        held = [None] * world
+        dist.all_gather_object(held, sorted(n for n, _ in pm.named_parameters()))
+        names = {n for n, _ in ref.named_parameters()}
+        if set().union(*held) != names:
+            failures.append((*label, "parameters held by no stage", sorted(names - set().union(*held))))
+        if pm.plan.layout.pp > 1 and len(set(map(tuple, held))) < pm.plan.layout.pp:
+            failures.append((*label, "the stages hold the same parameters"))
+        dump = pm.dump_graph()
+        if f"pipeline stage {pm._rank_graph.pipeline.stage} of {pm.plan.layout.pp}" not in dump:
+            failures.append((*label, "dump_graph does not show the stage"))
+    return failures
+
+
+TWO_RANKS = [(name, 2, dict(pp=2, schedule=schedule, grad_accum=m))
+             for name in ("tiny-llama", "tiny-gpt2", "tiny-mixtral", "plain")
+             for schedule, m in (("afab", 1), ("1f1b", 2), ("1f1b", 8))] + [
+    # recompute composes: the copies run on their block's stage
+    ("tiny-gpt2", 2, dict(pp=2, grad_accum=2, recompute="selective")),
+    ("tiny-llama", 2, dict(pp=2, grad_accum=2, recompute="full")),
+]
+
+
+def test_pipeline_on_two_ranks_matches_one_device():
+    results = spawn(_pipeline_worker, 2, args=(TWO_RANKS,), timeout_s=900)
+    assert results == [[]] * 2
+
+
+FOUR_RANKS = [
+    ("tiny-llama", 4, dict(pp=4, grad_accum=8)),
+    ("plain", 4, dict(pp=4, grad_accum=2)),  # fewer micro-batches than stages
+    ("tiny-gpt2", 2, dict(pp=2, dp=2, zero=1, grad_accum=2)),
+    ("tiny-llama", 2, dict(pp=2, tp=2, sp=True, grad_accum=2)),
+]
+
+
+def test_pipeline_on_four_ranks_matches_one_device():
+    results = spawn(_pipeline_worker, 4, args=(FOUR_RANKS,), timeout_s=900)
+    assert results == [[]] * 4
+
+
+@pytest.mark.slow
+def test_pipeline_of_transformers_models_matches_one_device():
+    cases = [(f"hf-{family}", 2, dict(pp=2, grad_accum=2)) for family in ("llama", "gpt2", "mixtral")]
+    assert spawn(_pipeline_worker, 2, args=(cases,), timeout_s=900) == [[]] * 2
+
+
+@pytest.mark.slow
+def test_more_pipeline_layouts_on_four_ranks_match_one_device():
+    cases = [("tiny-mixtral", 4, dict(pp=4, schedule="afab", grad_accum=4)),
+             ("tiny-mixtral", 2, dict(pp=2, dp=2, grad_accum=4)),
+             ("tiny-gpt2", 2, dict(pp=2, tp=2, sp=True, grad_accum=2)),
+             ("plain", 2, dict(pp=2, dp=2, zero=1, grad_accum=8)),
+             ("hf-llama", 2, dict(pp=2, tp=2, sp=True, grad_accum=2))]
+    assert spawn(_pipeline_worker, 4, args=(cases,), timeout_s=900) == [[]] * 4
