@@ -2,9 +2,11 @@
 
 The solver (autopar/search) writes a `PlanDecisions`; `autopar.Plan` holds it and round-trips it
 through JSON; each pass takes its own part as one typed argument (`DataParallelPlan`,
-`TensorParallelPlan`) and the runtime reads the rest (micro-batches, stages). This module
-imports nothing but the standard library and `cost.layout`, so passes/ and runtime/ depend on
-the plan's data, never on the solver or the front that produced it.
+`TensorParallelPlan`) and the runtime reads the rest (micro-batches, stages, and the pipeline
+split's per-stage graphs, `PipelineGraphs`, which the split pass makes and the runtime runs).
+This module imports nothing but the standard library and `cost.layout` (torch.fx only for type
+hints), so passes/ and runtime/ depend on the plan's data, never on the solver or the front that
+produced it.
 
 Placements use DTensor's vocabulary, per mesh axis, as the runtime really lays the parameter
 out: ZeRO's row shards included (``Shard(0)`` on "dp"; when TP shards dim 0 too, the rows of the

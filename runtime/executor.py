@@ -20,6 +20,10 @@ micro-batches run it, without any gradient reduction, and the last runs ``gm``, 
 their sums (its "accum" inputs) and reduces once, as DDP's ``no_sync`` does; otherwise (ZeRO-2/3,
 whose gradients must stay sharded) every micro-batch reduces its own.
 
+A pipeline stage (``RankGraph.pipeline``) runs its stage's graphs under the plan's schedule
+instead (runtime/pipeline.py), with the same seeds; data parallelism around the pipeline
+reduces once, after the schedule.
+
 Buffers the forward updates in place (BatchNorm's running statistics, a step counter): the
 captured graph is functional and returns their new values (``RankGraph.buffer_index``); after
 every micro-batch they are copied into the module's buffer tensors, so m micro-batches update

@@ -3,8 +3,9 @@ next to the cost model's prediction (`Cluster.local()`) and the same layout writ
 with PyTorch's own APIs (DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard, and
 torchtitan's Megatron plan with `parallelize_module` for TP+SP and DP x TP).
 
-Layouts: DP, ZeRO-1, ZeRO-2, ZeRO-3, TP+SP, DP x TP and the solver's own plan, on a small
-Llama-style GPT (grouped-query attention, SwiGLU). Everything is measured in one run, side by
+Layouts: DP, ZeRO-1, ZeRO-2, ZeRO-3, TP+SP, DP x TP, pipelines (1F1B over every rank, and
+PP x DP; by hand: `torch.distributed.pipelining` with an even split of the blocks) and the
+solver's own plan, on a small Llama-style GPT (grouped-query attention, SwiGLU). Everything is measured in one run, side by
 side, on the same ranks; the steps of every layout, autopar's and the hand-written one, take turns
 round-robin, so that all see the same machine state. Both use
 the same optimizer, AdamW with foreach=True (one dispatch per op for all parameters: the
@@ -43,7 +44,7 @@ def _sample(num_params: int) -> tuple[str, str | None]:
     return "held out", None
 
 
-def _layouts(world: int) -> dict[str, dict | None]:
+def _layouts(world: int, n_layers: int) -> dict[str, dict | None]:
     layouts: dict[str, dict | None] = {
         "DP": {"dp": world}, "ZeRO-1": {"dp": world, "zero": 1}, "ZeRO-2": {"dp": world, "zero": 2},
         "ZeRO-3": {"dp": world, "zero": 3},
@@ -52,6 +53,11 @@ def _layouts(world: int) -> dict[str, dict | None]:
         "TP+SP": {"tp": world, "sp": True}}
     if world >= 4:  # a real product of both axes
         layouts["DP x TP"] = {"dp": 2, "tp": world // 2}
+    # pipelines (1F1B), against torch.distributed.pipelining with an even split written by hand
+    if n_layers >= world:
+        layouts[f"PP{world} 1F1B"] = {"pp": world, "grad_accum": 2 * world}
+    if world >= 4:
+        layouts["PP x DP"] = {"pp": 2, "dp": world // 2, "grad_accum": 4}
     layouts["solver"] = None
     return layouts
 
@@ -84,6 +90,8 @@ def _hand_written(layout, model, batch, world: int):
 
     if layout.tp > 1:
         return _hand_written_tp(layout, model, batch)
+    if layout.pp > 1:
+        return _hand_written_pp(layout, model, batch)
     rank = dist.get_rank()
     local = tuple(x.chunk(world)[rank] for x in batch)
     if layout.recompute == "full":  # torchtitan's full activation checkpointing, per block
@@ -176,6 +184,78 @@ def _hand_written_tp(layout, model, batch):
     return step
 
 
+class _EvenStage(torch.nn.Module):
+    """Blocks ``first..last`` of the bench's Llama, with the embedding on the first stage and
+    the final norm and head on the last: the split a person writes by hand."""
+
+    def __init__(self, model, first: int, last: int, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.embed = model.embed if is_first else None
+        self.layers = torch.nn.ModuleList(model.layers[first:last + 1])
+        self.norm = model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x)) if self.lm_head is not None else x
+
+
+def _hand_written_pp(layout, model, batch):
+    """The same pipeline with `torch.distributed.pipelining` by hand: an even split of the
+    blocks, the plan's schedule and micro-batches; over DP, the gradients all-reduced in one
+    flat bucket after the schedule (what autopar's runtime does too)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
+    s, pp = mesh.get_local_rank("pp"), layout.pp
+    n = len(model.layers)
+    first, last = s * n // pp, (s + 1) * n // pp - 1
+    stage_module = _EvenStage(model, first, last, s == 0, s == pp - 1)
+    m = layout.grad_accum
+    micro = batch[0].shape[0] // layout.dp // m
+    hidden = model.config.hidden
+    seq = batch[0].shape[1]
+    example_in = (batch[0][:micro],) if s == 0 else (torch.empty(micro, seq, hidden),)
+    example_out = (torch.empty(micro, seq, model.config.vocab) if s == pp - 1
+                   else torch.empty(micro, seq, hidden),)
+    stage = PipelineStage(stage_module, s, pp, torch.device("cpu"), input_args=example_in,
+                          output_args=example_out, group=mesh["pp"].get_group())
+
+    def loss_fn(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    schedule = (Schedule1F1B if layout.schedule == "1f1b" and m >= pp else ScheduleGPipe)(stage, m, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-3, foreach=True)
+    local = tuple(x.chunk(layout.dp)[mesh.get_local_rank("dp")] for x in batch)
+    dp_group = mesh["dp"].get_group()
+
+    def step():
+        if s == 0:
+            schedule.step(local[0])
+        elif s == pp - 1:
+            schedule.step(target=local[1])
+        else:
+            schedule.step()
+        if layout.dp > 1:
+            grads = [p.grad for p in stage_module.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=dp_group)
+            flat /= layout.dp
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
 def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, repeat: int) -> list[dict]:
     import warnings
 
@@ -185,12 +265,14 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
     warnings.filterwarnings("ignore")
     batch = models.example_inputs(cfg, batch=batch_size, seq=seq)
     built = []
-    for label, degrees in _layouts(world).items():
+    for label, degrees in _layouts(world, cfg.n_layers).items():
         model = models.build(cfg, seed=0)
         ref = copy.deepcopy(model)
         layout = None
         if degrees is not None:
-            layout = autopar.Layout(**degrees, microbatch=batch_size // degrees.get("dp", 1), precision="fp32")
+            per_rank = batch_size // degrees.get("dp", 1)
+            layout = autopar.Layout(**degrees, microbatch=per_rank // degrees.get("grad_accum", 1),
+                                    precision="fp32")
         pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
 

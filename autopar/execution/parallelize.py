@@ -18,9 +18,14 @@ and their products (a ("dp", "tp") mesh), recompute "selective", "full" and part
 (passes/fp8.py: before TP, whose DTensors reduce a sharded amax over TP; the DP ranks' amaxes
 are all-reduced after it, `reduce_scales`), with gradient
 accumulation (the step captured for one micro-batch and run grad_accum times; see
-runtime/executor.py), in the model's own dtype. Any other decision (pipeline, context or expert
-parallelism, a precision other than the model's) is an `UnsupportedLayoutError` naming it:
-a plan runs exactly as planned or not at all.
+runtime/executor.py), in the model's own dtype. Pipelines (pp > 1, GPipe or 1F1B, with DP /
+ZeRO-1 and TP) run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
+at the plan's stages (passes/pipeline_split.py; each node on the stage of the captured node it
+comes from, as the cost model priced it) and the stage's graphs run under
+torch.distributed.pipelining (runtime/pipeline.py); the module then holds only its stage's
+parameters. Any other decision (interleaved or zero-bubble schedules, ZeRO-2/3 inside a pipeline,
+context or expert parallelism, a precision other than the model's) is an
+`UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
 Buffers the forward updates (BatchNorm statistics) are written back on every rank; under data
 parallelism each rank keeps its own statistics, as DDP does without SyncBatchNorm.

@@ -65,7 +65,8 @@ def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monke
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "cal.json"))
     result = run_runtime_bench(quick=True, world=2, progress=lambda _line: None)
     labels = [r["layout"] for r in result["rows"]]
-    assert labels == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "TP+SP", "solver"]
+    assert labels == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + full recompute", "TP+SP",
+                      "PP2 1F1B", "solver"]
     assert all(r["measured_s"] > 0 and r["hand_written_s"] > 0 and r["predicted_s"] > 0 for r in result["rows"])
     assert "Spearman" in format_runtime_bench(result)
     json.dumps(result)
