@@ -234,7 +234,7 @@ class Layout:
 
 
 # the pipeline schedules `autopar.parallelize` executes (runtime/pipeline.py)
-PIPELINE_SCHEDULES_RUN = ("afab", "1f1b")
+PIPELINE_SCHEDULES_RUN = ("afab", "1f1b", "interleaved-1f1b")
 
 
 def unsupported_decisions(layout: Layout) -> list[str]:
@@ -245,12 +245,12 @@ def unsupported_decisions(layout: Layout) -> list[str]:
     """
     out = []
     if layout.pp > 1:
-        # the pipeline runs torch.distributed.pipelining's GPipe and 1F1B over the plan's cuts
+        # the pipeline runs torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B over
+        # the plan's cuts
         # (passes/pipeline_split.py, runtime/pipeline.py); DP / ZeRO-1 reduce after the schedule
-        if layout.schedule not in PIPELINE_SCHEDULES_RUN or layout.virtual_stages > 1:
-            out.append(f"the pipeline schedule {layout.schedule!r}"
-                       + (f" with {layout.virtual_stages} virtual stages" if layout.virtual_stages > 1 else "")
-                       + f" (pp={layout.pp}; runs: {', '.join(PIPELINE_SCHEDULES_RUN)})")
+        if layout.schedule not in PIPELINE_SCHEDULES_RUN:
+            out.append(f"the pipeline schedule {layout.schedule!r} (pp={layout.pp}; runs: "
+                       f"{', '.join(PIPELINE_SCHEDULES_RUN)})")
         if layout.zero >= 2:
             out.append(f"ZeRO-{layout.zero} inside a pipeline (pp={layout.pp}; runs: ZeRO-0 and 1, "
                        "the gradients reduced once after the schedule)")

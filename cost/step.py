@@ -54,6 +54,7 @@ from cost.terms.compute import (
     params_per_stage,
     stage_of,
     step_node_times,
+    virtual_stages,
 )
 from cost.terms.context_parallel import cp_exposed
 from cost.terms.data_parallel import dp_comm
@@ -159,6 +160,10 @@ def check_layout(facts: StepFacts, cluster: Cluster, layout: Layout) -> None:
         raise LayoutError(f"cp={layout.cp} does not divide the sequence length {facts.seq}")
     if layout.pp > max(facts.n_layers, 1):
         raise LayoutError(f"pp={layout.pp} exceeds the model's {facts.n_layers} repeated blocks")
+    chunks = layout.pp * virtual_stages(layout)
+    if chunks > max(facts.n_layers, 1):
+        raise LayoutError(f"pp={layout.pp} x virtual_stages={layout.virtual_stages} = {chunks} chunks "
+                          f"exceed the model's {facts.n_layers} repeated blocks: use fewer virtual stages")
     if layout.ep > 1 and (not facts.n_experts or facts.n_experts % layout.ep):
         raise LayoutError(
             f"ep={layout.ep} needs a mixture-of-experts model whose expert count it divides "

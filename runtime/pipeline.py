@@ -1,15 +1,16 @@
 """Run a pipeline-split training step (`passes.pipeline_split`) on the ranks of a pipeline.
 
-Each rank runs one stage: its forward graph F_s and backward graph B_s, once per micro-batch,
-in the order of a `torch.distributed.pipelining` schedule, which also moves the activations
-and their gradients between neighbouring stages (point-to-point; gloo on CPU).
+Each rank runs one stage (v stages under interleaved 1F1B: stage c on rank c mod pp): its
+forward graph F_s and backward graph B_s, once per micro-batch, in the order of a
+`torch.distributed.pipelining` schedule, which also moves the activations and their gradients
+between neighbouring stages (point-to-point; gloo on CPU).
 
 How the graphs meet PyTorch's schedule runtime: the stage's module is a thin `nn.Module` whose
 forward is an autograd Function; its forward runs F_s (keeping the saved values in the
 Function's context) and returns the values sent on, its backward runs B_s on the gradient
 slots the next stage sent and returns the gradients sent back. The schedule runtime sees an
-ordinary module and runs its own ScheduleGPipe ("afab") and Schedule1F1B ("1f1b") unchanged:
-no home-made scheduler. The parameters' gradients never pass through autograd: B_s returns
+ordinary module and runs its own ScheduleGPipe ("afab"), Schedule1F1B ("1f1b") and
+ScheduleInterleaved1F1B ("interleaved-1f1b") unchanged: no home-made scheduler. The parameters' gradients never pass through autograd: B_s returns
 them and the stage adds them up over the micro-batches.
 
 Every stage reads the micro-batch's user inputs (each rank has the batch: the labels reach the
@@ -19,7 +20,7 @@ stage's output is the loss weighted by its seed (`passes.token_count.weight_loss
 summed over the micro-batches it is the step's loss, sent to every stage of the pipeline.
 
 A parameter read on several stages (a tied embedding and head) is held by each of them; after
-the step their gradient parts are summed over those stages (`PipelineRanks.shared_groups`).
+the step their gradient parts are summed over those ranks (`PipelinePlan.shared_groups`).
 Data parallelism around the pipeline reduces the step's summed gradients once, after the
 schedule (`reduce_data_parallel`), as DDP's ``no_sync`` does over micro-batches.
 """
@@ -128,20 +129,26 @@ def run_sequential(split: PipelineGraphs, feeds: StageFeeds
 
 @dataclass
 class PipelinePlan:
-    """This rank's part of a pipeline: the split graphs, its stage, the groups it talks over."""
+    """This rank's part of a pipeline: the split graphs, the stages it runs, its groups."""
 
     graphs: PipelineGraphs
-    stage: int
-    group: dist.ProcessGroup  # the ranks of this rank's pipeline, in stage order
-    schedule: str  # "afab" or "1f1b"
-    # shared parameter -> the group of the stages that hold it (this rank among them)
+    rank: int  # this rank's place in its pipeline (0 .. pp - 1)
+    pp: int  # ranks in the pipeline
+    group: dist.ProcessGroup  # the ranks of this rank's pipeline, in order
+    schedule: str  # "afab", "1f1b" or "interleaved-1f1b"
+    # shared parameter -> the group of the ranks that hold it (this rank among them)
     shared_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     zero_sharded: list[str] = field(default_factory=list)  # ZeRO-1: rows over the dp ranks
 
     @property
-    def pp(self) -> int:
-        """Number of stages."""
-        return self.graphs.pp
+    def stages(self) -> list[int]:
+        """The stages this rank runs: stage c on rank c mod pp (v of them when interleaved)."""
+        return [c for c in range(self.graphs.pp) if c % self.pp == self.rank]
+
+    @property
+    def params(self) -> set[str]:
+        """The parameters this rank holds: those its stages read."""
+        return {p for c in self.stages for p in self.graphs.stages[c].params}
 
 
 class _StageFunction(torch.autograd.Function):
@@ -174,13 +181,14 @@ class _StageRunner(nn.Module):
     """The stage module the schedule runs: keyword arguments ``input0``... and ``seed``."""
 
     def __init__(self, graphs: StageGraphs, params: Mapping[str, torch.Tensor],
-                 buffers: Mapping[str, torch.Tensor], n_inputs: int) -> None:
+                 buffers: Mapping[str, torch.Tensor], n_inputs: int,
+                 grads: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.graphs = graphs
         self.params = params
         self.buffer_map = buffers
         self.n_inputs = n_inputs
-        self.grads: dict[str, torch.Tensor] = {}
+        self.grads = grads  # shared by the rank's stages: a parameter's parts add up
         # makes the Function's outputs require grad on the first stage, whose inputs do not
         self.anchor = torch.zeros((), requires_grad=True)
 
@@ -196,48 +204,57 @@ class _StageRunner(nn.Module):
 def schedule_class(schedule: str, pp: int, micro_batches: int):
     """The `torch.distributed.pipelining` schedule that runs ``schedule``: ScheduleGPipe for
     "afab", Schedule1F1B for "1f1b" (with fewer micro-batches than stages 1F1B's warm-up holds
-    them all, which is GPipe's order: PyTorch's 1F1B refuses that case, so GPipe runs it)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    them all, which is GPipe's order: PyTorch's 1F1B refuses that case, so GPipe runs it),
+    ScheduleInterleaved1F1B for "interleaved-1f1b" (several stages per rank)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    if schedule == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B
     if schedule == "afab" or (schedule == "1f1b" and micro_batches < pp):
         return ScheduleGPipe
     if schedule == "1f1b":
         return Schedule1F1B
-    raise ValueError(f"pipeline schedule {schedule!r} is not executed (runs: afab, 1f1b)")
+    raise ValueError(f"pipeline schedule {schedule!r} is not executed (runs: afab, 1f1b, "
+                     "interleaved-1f1b)")
 
 
 def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
                       buffers: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor],
                       seeds: Sequence[float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One training step of this rank's stage over ``len(seeds)`` micro-batches.
+    """One training step of this rank's stages over ``len(seeds)`` micro-batches.
 
     ``inputs``: the rank's user inputs for the whole step (dim 0 split into the micro-batches);
-    ``params``: the local tensors of the stage's parameters. Returns the step's loss (the same
-    on every stage) and the stage's parameter gradients summed over the micro-batches (shared
-    parameters summed over their stages too).
+    ``params``: the local tensors of the rank's parameters. Returns the step's loss (the same on
+    every rank of the pipeline) and the rank's parameter gradients summed over the micro-batches
+    (shared parameters summed over their ranks too).
     """
     from torch.distributed.pipelining import PipelineStage
 
-    m, pp = len(seeds), plan.pp
-    graphs = plan.graphs.stages[plan.stage]
+    m, n_stages = len(seeds), plan.graphs.pp
     device = inputs[0].device
-    runner = _StageRunner(graphs, params, buffers, len(inputs))
-    stage = PipelineStage(runner, plan.stage, pp, device,
-                          input_args=_channel_example(graphs.forward, graphs.forward_inputs, device),
-                          output_args=_output_example(graphs, device), group=plan.group)
+    grads: dict[str, torch.Tensor] = {}
+    stages = []
+    for c in plan.stages:
+        graphs = plan.graphs.stages[c]
+        runner = _StageRunner(graphs, params, buffers, len(inputs), grads)
+        stages.append(PipelineStage(runner, c, n_stages, device,
+                                    input_args=_channel_example(graphs.forward, graphs.forward_inputs, device),
+                                    output_args=_output_example(graphs, device), group=plan.group))
+    cls = schedule_class(plan.schedule, plan.pp, m)
+    several = plan.schedule == "interleaved-1f1b"
+    schedule = cls(stages if several else stages[0], m, loss_fn=_weighted_loss, scale_grads=False)
     losses: list[torch.Tensor] = []
-    schedule = schedule_class(plan.schedule, pp, m)(stage, m, loss_fn=_weighted_loss, scale_grads=False)
     seed = torch.tensor(list(seeds), dtype=torch.float32, device=device)
     kwargs = {f"input{i}": x for i, x in enumerate(inputs)}
+    last = (n_stages - 1) % plan.pp
     with torch.enable_grad():
-        if plan.stage == pp - 1:
+        if plan.rank == last:
             schedule.step(target=seed, losses=losses, return_outputs=False, seed=seed, **kwargs)
         else:
             schedule.step(return_outputs=False, seed=seed, **kwargs)
     loss = (torch.stack([x.detach().reshape(()) for x in losses]).sum() if losses
             else torch.zeros((), dtype=torch.float32, device=device))
-    dist.broadcast(loss, group=plan.group, group_src=pp - 1)
-    grads = runner.grads
+    dist.broadcast(loss, group=plan.group, group_src=last)
     for p, group in plan.shared_groups.items():
         g = grads[p] if p in grads else torch.zeros_like(params[p])
         dist.all_reduce(g, group=group)

@@ -220,9 +220,10 @@ def _hand_written_pp(layout, model, batch):
     micro = batch[0].shape[0] // layout.dp // m
     hidden = model.config.hidden
     seq = batch[0].shape[1]
-    example_in = (batch[0][:micro],) if s == 0 else (torch.empty(micro, seq, hidden),)
-    example_out = (torch.empty(micro, seq, model.config.vocab) if s == pp - 1
-                   else torch.empty(micro, seq, hidden),)
+    # activations require grad: their gradients travel back
+    example_in = (batch[0][:micro],) if s == 0 else (torch.empty(micro, seq, hidden, requires_grad=True),)
+    example_out = (torch.empty(micro, seq, model.config.vocab if s == pp - 1 else hidden,
+                               requires_grad=True),)
     stage = PipelineStage(stage_module, s, pp, torch.device("cpu"), input_args=example_in,
                           output_args=example_out, group=mesh["pp"].get_group())
 

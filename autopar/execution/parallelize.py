@@ -169,35 +169,42 @@ class ParallelModule(nn.Module):
 
 
 def _dump_stage(head: str, pipeline: PipelinePlan, plan: Plan) -> str:
-    """A pipeline stage's forward and backward graphs, inputs and outputs named."""
-    s, pp = pipeline.stage, pipeline.pp
-    graphs = pipeline.graphs.stages[s]
-    first, last = plan.stages[s]
-    where = ("the embedding, " if s == 0 else "") + f"blocks {first}..{last}" + \
-        (", the head and the loss" if s == pp - 1 else "")
-    lines = [head, f"# pipeline stage {s} of {pp} ({where}), schedule {pipeline.schedule}, "
-             f"{plan.layout.grad_accum} micro-batches; parameters held: {len(graphs.params)}"
-             + (f"; shared with other stages: {sorted(pipeline.shared_groups)}" if pipeline.shared_groups else "")]
+    """The forward and backward graphs of this rank's pipeline stages, inputs and outputs named."""
+    n = pipeline.graphs.pp
+    lines = [head]
+    for s in pipeline.stages:
+        graphs = pipeline.graphs.stages[s]
+        first, last = plan.stages[s]
+        where = ("the embedding, " if s == 0 else "") + f"blocks {first}..{last}" + \
+            (", the head and the loss" if s == n - 1 else "")
+        lines.append(f"# pipeline stage {s} of {n} on pipeline rank {pipeline.rank} of {pipeline.pp} "
+                     f"({where}), schedule {pipeline.schedule}, {plan.layout.grad_accum} micro-batches; "
+                     f"parameters held: {len(graphs.params)}"
+                     + (f"; shared with other ranks: {sorted(pipeline.shared_groups)}"
+                        if pipeline.shared_groups else ""))
 
-    def body(gm, inputs, title, outputs):
-        lines.append(f"# {title}, once per micro-batch; inputs:")
-        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        for node, source in zip(holders, inputs):
-            what = {"recv": f"received from stage {s - 1}", "saved": "saved by this stage's forward",
-                    "grad": f"gradient slot {source.index}, received from stage {s + 1}",
-                    "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss"}
-            lines.append(f"#   {node.name}: {what.get(source.kind, source.kind)} {source.name}")
-        lines.append(f"# outputs: {outputs}")
-        reasons = {n.name: n.meta["autopar"] for n in gm.graph.nodes if "autopar" in n.meta}
-        for line in gm.code.splitlines():
-            name = line.strip().split(" = ")[0] if " = " in line else ""
-            lines.append(f"{line}  # {reasons[name]}" if name in reasons else line)
+        def body(gm, inputs, title, outputs, s=s):
+            lines.append(f"# {title}, once per micro-batch; inputs:")
+            holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            for node, source in zip(holders, inputs):
+                what = {"recv": f"received from stage {s - 1}", "saved": "saved by this stage's forward",
+                        "grad": f"gradient slot {source.index}, received from stage {s + 1}",
+                        "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss"}
+                lines.append(f"#   {node.name}: {what.get(source.kind, source.kind)} {source.name}")
+            lines.append(f"# outputs: {outputs}")
+            reasons = {n.name: n.meta["autopar"] for n in gm.graph.nodes if "autopar" in n.meta}
+            for line in gm.code.splitlines():
+                if not line.strip():
+                    continue
+                name = line.strip().split(" = ")[0] if " = " in line else ""
+                lines.append(f"{line}  # {reasons[name]}" if name in reasons else line)
 
-    sends = f"{graphs.n_sends} values sent to stage {s + 1}, " if s < pp - 1 else ""
-    body(graphs.forward, graphs.forward_inputs, "forward",
-         sends + f"{graphs.n_saved} saved for the backward" + (", the loss x its seed" if graphs.has_loss else ""))
-    grads = f"{graphs.n_grad_sends} gradient slots sent to stage {s - 1}, " if s > 0 else ""
-    body(graphs.backward, graphs.backward_inputs, "backward", grads + f"gradients of {len(graphs.grads)} parameters")
+        sends = f"{graphs.n_sends} values sent to stage {s + 1}, " if s < n - 1 else ""
+        body(graphs.forward, graphs.forward_inputs, "forward",
+             sends + f"{graphs.n_saved} saved for the backward" + (", the loss x its seed" if graphs.has_loss else ""))
+        grads = f"{graphs.n_grad_sends} gradient slots sent to stage {s - 1}, " if s > 0 else ""
+        body(graphs.backward, graphs.backward_inputs, "backward",
+             grads + f"gradients of {len(graphs.grads)} parameters")
     return "\n".join(lines)
 
 
@@ -357,7 +364,7 @@ def parallelize(
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
     # (under a pipeline only those of this rank's stage)
     module = copy.deepcopy(model)
-    held = set(pipeline.graphs.stages[pipeline.stage].params) if pipeline else None
+    held = pipeline.params if pipeline else None
     unloaded = _to_dtensors(module, mesh, decisions, graph.aliases, held)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in signature.placeholder_of("param") if held is None or p in held]
@@ -389,25 +396,27 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], dec
             node_stage[n.name] = min(inputs, default=lay.pp - 1)
         else:
             node_stage[n.name] = max(inputs, default=0)
-    try:
-        split = split_pipeline(gm, signature, node_stage, lay.pp)
+    try:  # one stage per entry of the plan's stages (v per rank under interleaving)
+        split = split_pipeline(gm, signature, node_stage, len(decisions.stages))
     except PipelineSplitError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: the stages {decisions.stages} cannot be "
                                      f"run: {exc}") from exc
-    stage = mesh.get_local_rank("pp")
     grid = mesh.mesh  # (dp, pp, tp) -> global rank
     shared_groups = {}
     for name, stages in sorted(split.shared.items()):
+        pipeline_ranks = sorted({s % lay.pp for s in stages})
+        if len(pipeline_ranks) == 1:  # its stages run on one rank: the parts add up there
+            continue
         for d in range(lay.dp):  # every rank creates every group, in the same order
             for t in range(lay.tp):
-                ranks = [int(grid[d, s, t]) for s in stages]
+                ranks = [int(grid[d, r, t]) for r in pipeline_ranks]
                 group = dist.new_group(ranks)
                 if dist.get_rank() in ranks:
                     shared_groups[name] = group
     zero_rows = [p for p, decided in decisions.params.items() if decided.placements["dp"].is_shard]
-    return PipelinePlan(graphs=split, stage=stage, group=mesh["pp"].get_group(),
-                        schedule=lay.schedule, shared_groups=shared_groups,
-                        zero_sharded=zero_rows)
+    return PipelinePlan(graphs=split, rank=mesh.get_local_rank("pp"), pp=lay.pp,
+                        group=mesh["pp"].get_group(), schedule=lay.schedule,
+                        shared_groups=shared_groups, zero_sharded=zero_rows)
 
 
 def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str], choice: RecomputeChoice,

@@ -18,6 +18,7 @@ from autopar.search.manual import standard_layouts
 from autopar.search.step import CapturedStep
 from autopar.strategies.tp_recipe import COL, ROW, VOCAB
 from cost import Cluster, Layout
+from cost.layout import unsupported_decisions
 from cost.plan_types import Fallback, PlanDecisions
 from cost.profile import coverage_notes
 from cost.step import Prediction, StepFacts, predict
@@ -113,6 +114,10 @@ class Plan:
         for note in coverage_notes(lay, self.cluster.fit_coverage,
                                    f"the {self.cluster.name} cost profile"):
             lines.append(f"  note     {note}")
+        missing = unsupported_decisions(lay)
+        lines.append("  runs     " + ("with autopar.parallelize" if not missing else
+                                     "not yet with autopar.parallelize: " + "; ".join(missing)
+                                     + " (a prediction only)"))
         lines.append("")
         lines.append(
             f"predicted step {fmt_time(p.step_time_s)}, {p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "

@@ -21,8 +21,8 @@ from cost.plan_types import (
     PlanDecisions,
     RecomputeChoice,
 )
-from cost.step import StepFacts, recompute_choice, stage_of, zero_reduction
-from cost.terms.compute import fp8_candidates, fp8_nodes
+from cost.step import StepFacts, recompute_choice, zero_reduction
+from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, virtual_stages
 
 
 def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
@@ -68,11 +68,12 @@ def _param_plan(facts: StepFacts, layout: Layout, name: str) -> ParamPlan:
 
 
 def _stages(facts: StepFacts, cluster, layout: Layout) -> list[tuple[int, int]]:
-    """Blocks of each pipeline stage, as the cost model cuts them (balanced: `cost.stages`)."""
+    """Blocks of each pipeline stage, as the cost model cuts them (balanced: `cost.stages`);
+    under interleaved 1F1B one entry per chunk (virtual stage), chunk c on rank c mod pp."""
     n = max(facts.n_layers, 1)
-    of = stage_of(facts, np.arange(n), cluster, layout)
+    of = slot_chunks(facts, cluster, layout)[1:n + 1]
     out = []
-    for s in range(layout.pp):
+    for s in range(layout.pp * virtual_stages(layout)):
         blocks = np.flatnonzero(of == s)
         out.append((int(blocks[0]), int(blocks[-1])) if len(blocks) else (0, -1))
     return out

@@ -167,24 +167,35 @@ def host_overhead_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout) 
     return blocks * cluster.params.layer_overhead_s
 
 
-def slot_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
-    """Stage of every slot (index = block index + 1: 0 before the blocks, L + 1 after): the
-    contiguous cut of `cost.stages.balanced_cuts` on each slot's step seconds for one
-    micro-batch under ``layout`` (memoised with the node times)."""
+def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """Pipeline chunk of every slot (index = block index + 1: 0 before the blocks, L + 1
+    after): the contiguous cut of `cost.stages.balanced_cuts` into ``pp * v`` chunks (v virtual
+    stages per rank under interleaved 1F1B, else 1) on each slot's step seconds for one
+    micro-batch under ``layout`` (memoised with the node times). Chunk c runs on rank c mod pp."""
     layout = resolved(facts, cluster, layout)
     n_layers = max(facts.n_layers, 0)
-    key = ("stage_map", layout.pp, *_times_key(facts, cluster, layout))
+    chunks = layout.pp * virtual_stages(layout)
+    key = ("chunk_map", chunks, *_times_key(facts, cluster, layout))
     if key not in facts._memo:
-        if n_layers == 0 or layout.pp == 1:
+        if n_layers == 0 or chunks == 1:
             facts._memo[key] = np.zeros(n_layers + 2, dtype=int)
         else:
             slot = np.clip(facts.nodes.layer, -1, n_layers) + 1
             cost = np.bincount(slot, weights=node_times(facts, cluster, layout),
                                minlength=n_layers + 2)
-            blocks = balanced_cuts(cost[1:n_layers + 1], layout.pp, float(cost[0]),
-                                   float(cost[-1]))
-            facts._memo[key] = np.concatenate([[0], blocks, [layout.pp - 1]]).astype(int)
+            blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]))
+            facts._memo[key] = np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
     return facts._memo[key]
+
+
+def virtual_stages(layout: Layout) -> int:
+    """Chunks per rank: the layout's virtual stages under interleaved 1F1B, else 1."""
+    return layout.virtual_stages if layout.schedule == "interleaved-1f1b" else 1
+
+
+def slot_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
+    """Pipeline rank of every slot (`slot_chunks` mod pp)."""
+    return slot_chunks(facts, cluster, layout) % max(layout.pp, 1)
 
 
 def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layout) -> np.ndarray:

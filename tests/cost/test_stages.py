@@ -66,7 +66,7 @@ def test_a_heavy_head_gets_a_short_last_stage():
     balanced = predict(facts, cluster, lay)
     assert balanced.time_breakdown["compute_s"] > 0
     even_map = np.array([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])  # the even split
-    key = next(k for k in facts._memo if k[0] == "stage_map")
+    key = next(k for k in facts._memo if k[0] == "chunk_map")
     facts._memo[key] = even_map
     facts._memo = {k: v for k, v in facts._memo.items() if k[0] != "stage_params"}
     even = predict(facts, cluster, lay)

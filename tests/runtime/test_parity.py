@@ -216,8 +216,10 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     batch = models.example_inputs(cfg, batch=2 * dp * accum, seq=8)
     if recompute == "partial":  # selective plus one matmul's outputs, tied across blocks
         recompute = (_PARTIAL[family],)
+    interleaved = pp > 1 and schedule == "interleaved-1f1b"
     layout = autopar.Layout(dp=dp, tp=tp, pp=pp, sp=sp and tp > 1, zero=zero, microbatch=2,
-                            grad_accum=accum, precision="fp32", recompute=recompute, schedule=schedule)
+                            grad_accum=accum, precision="fp32", recompute=recompute,
+                            schedule=schedule if pp > 1 else "1f1b", virtual_stages=2 if interleaved else 1)
     pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
     loss = pm(*batch)
     loss.backward()
@@ -242,12 +244,12 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     accum=st.sampled_from([1, 2]),
     recompute=st.sampled_from(["none", "selective", "full", "partial"]),
     pp=st.sampled_from([1, 2]),
-    schedule=st.sampled_from(["afab", "1f1b"]),
+    schedule=st.sampled_from(["afab", "1f1b", "interleaved-1f1b"]),
 )
 def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum,
                                                     recompute, pp, schedule):
-    if pp > 1:  # a pipeline: a block per stage at least, ZeRO 0 or 1 around it
-        layers, zero = max(layers, pp), min(zero, 1)
+    if pp > 1:  # a pipeline: a block per stage at least (two stages per rank interleaved)
+        layers, zero = max(layers, pp * (2 if schedule == "interleaved-1f1b" else 1)), min(zero, 1)
     tp = min(tp, world // pp)
     results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero, accum, recompute,
                                                  pp, schedule), timeout_s=300)

@@ -1,7 +1,8 @@
 """Pipeline parallelism on gloo ranks trains like one device.
 
 Loss, every gradient and the updated parameters after 2 SGD then 2 AdamW steps (fp32, rtol 1e-5,
-`parity_checks`), under GPipe ("afab") and 1F1B with 1, 2 and 8 micro-batches, pp=4 (also with
+`parity_checks`), under GPipe ("afab"), 1F1B with 1, 2 and 8 micro-batches, interleaved 1F1B
+(two stages per rank), pp=4 (also with
 fewer micro-batches than stages), pp x dp with ZeRO-1, pp x tp with SP, with selective and full
 recompute; on tiny-llama, tiny-gpt2
 (its tied embedding and head live on the first and last stage), tiny-mixtral and a plain-PyTorch
@@ -90,7 +91,8 @@ def _pipeline_worker(rank: int, world: int, cases: list[tuple[str, int, dict]]) 
         if pm.plan.layout.pp > 1 and len(set(map(tuple, held))) < pm.plan.layout.pp:
             failures.append((*label, "the stages hold the same parameters"))
         dump = pm.dump_graph()
-        if f"pipeline stage {pm._rank_graph.pipeline.stage} of {pm.plan.layout.pp}" not in dump:
+        pipeline = pm._rank_graph.pipeline
+        if not all(f"pipeline stage {s} of {len(pm.plan.stages)}" in dump for s in pipeline.stages):
             failures.append((*label, "dump_graph does not show the stage"))
     return failures
 
@@ -101,6 +103,10 @@ TWO_RANKS = [(name, 2, dict(pp=2, schedule=schedule, grad_accum=m))
     # recompute composes: the copies run on their block's stage
     ("tiny-gpt2", 2, dict(pp=2, grad_accum=2, recompute="selective")),
     ("tiny-llama", 2, dict(pp=2, grad_accum=2, recompute="full")),
+    # interleaved 1F1B: 4 stages on 2 ranks (stage c on rank c mod 2); GPT-2's tied embedding
+    # and head on stages 0 and 3, ranks 0 and 1
+    ("tiny-llama", 4, dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, grad_accum=4)),
+    ("tiny-gpt2", 4, dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, grad_accum=2)),
 ]
 
 
@@ -133,6 +139,9 @@ def test_more_pipeline_layouts_on_four_ranks_match_one_device():
     cases = [("tiny-mixtral", 4, dict(pp=4, schedule="afab", grad_accum=4)),
              ("tiny-mixtral", 2, dict(pp=2, dp=2, grad_accum=4)),
              ("tiny-gpt2", 2, dict(pp=2, tp=2, sp=True, grad_accum=2)),
-             ("plain", 2, dict(pp=2, dp=2, zero=1, grad_accum=8)),
-             ("hf-llama", 2, dict(pp=2, tp=2, sp=True, grad_accum=2))]
+             ("plain", 2, dict(pp=2, dp=2, zero=1, grad_accum=4)),
+             ("hf-llama", 2, dict(pp=2, tp=2, sp=True, grad_accum=2)),
+             ("plain", 8, dict(pp=4, schedule="interleaved-1f1b", virtual_stages=2, grad_accum=8)),
+             ("tiny-llama", 4, dict(pp=2, dp=2, zero=1, schedule="interleaved-1f1b", virtual_stages=2,
+                                    grad_accum=4))]
     assert spawn(_pipeline_worker, 4, args=(cases,), timeout_s=900) == [[]] * 4
