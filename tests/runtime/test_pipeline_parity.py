@@ -13,6 +13,7 @@ the plan's placements; the stages are the plan's cut. The transformers models ru
 
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from parity_checks import contract as _contract
 from parity_checks import train_and_compare as _train_and_compare
 from torch import nn
 
-from runtime.launch import spawn
+from runtime.launch import RankFailedError, spawn
 
 
 class Block(nn.Module):
@@ -145,3 +146,33 @@ def test_more_pipeline_layouts_on_four_ranks_match_one_device():
              ("tiny-llama", 4, dict(pp=2, dp=2, zero=1, schedule="interleaved-1f1b", virtual_stages=2,
                                     grad_accum=4))]
     assert spawn(_pipeline_worker, 4, args=(cases,), timeout_s=900) == [[]] * 4
+
+
+def _dies_mid_schedule(rank: int, world: int) -> str:
+    import os
+
+    import autopar
+    import runtime.pipeline as pipeline
+    from autopar import models
+
+    model = models.build("tiny-llama", seed=3)
+    batch = models.example_inputs("tiny-llama", batch=8, seq=16)
+    pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(pp=2, grad_accum=4))
+    forward, calls = pipeline.run_forward, []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:  # stage 1, third micro-batch: rank 0 is mid-schedule
+            os._exit(3)
+        return forward(*args, **kwargs)
+
+    pipeline.run_forward = dying
+    pm(*batch).backward()
+    return "finished"
+
+
+def test_a_rank_dying_mid_schedule_ends_the_run_with_its_name():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 died.*exit code 3"):
+        spawn(_dies_mid_schedule, 2, timeout_s=120)
+    assert time.monotonic() - t0 < 60
