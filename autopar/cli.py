@@ -402,7 +402,7 @@ def _check_executable(layout: Layout) -> None:
     if missing:
         raise UsageError(f"--layout {layout.short()}: the ranks cannot execute "
                          f"{'; '.join(missing)} yet; fix: dump a DP / ZeRO / TP / TP+SP layout "
-                         "(any recompute), a pipeline (schedule afab, 1f1b or interleaved-1f1b; ZeRO 0 or 1), "
+                         "(any recompute), a pipeline with ZeRO 0 or 1, "
                          "cp=ep=1 and precision=fp32, or see its predictions with "
                          "`autopar plan --layout ...`")
 

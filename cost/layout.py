@@ -234,7 +234,7 @@ class Layout:
 
 
 # the pipeline schedules `autopar.parallelize` executes (runtime/pipeline.py)
-PIPELINE_SCHEDULES_RUN = ("afab", "1f1b", "interleaved-1f1b")
+PIPELINE_SCHEDULES_RUN = ("afab", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 def unsupported_decisions(layout: Layout) -> list[str]:
@@ -245,8 +245,8 @@ def unsupported_decisions(layout: Layout) -> list[str]:
     """
     out = []
     if layout.pp > 1:
-        # the pipeline runs torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B over
-        # the plan's cuts
+        # the pipeline runs torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B and
+        # zero-bubble (ZB1P) schedules over the plan's cuts
         # (passes/pipeline_split.py, runtime/pipeline.py); DP / ZeRO-1 reduce after the schedule
         if layout.schedule not in PIPELINE_SCHEDULES_RUN:
             out.append(f"the pipeline schedule {layout.schedule!r} (pp={layout.pp}; runs: "

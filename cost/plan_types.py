@@ -286,7 +286,8 @@ class StageInput:
 
     kind: "recv" (value ``index`` of the channel from the previous stage), "saved" (forward
     output ``index`` of the same stage's saved values), "grad" (slot ``index`` of the gradient
-    channel from the next stage), or a leaf of the joint graph: "param", "buffer", "input",
+    channel from the next stage), "stash" (output ``index`` of zero-bubble's input-gradient
+    part, read by its weight-gradient part), or a leaf of the joint graph: "param", "buffer", "input",
     "tangent", "zero_tangent" (``name`` as in the joint graph's `GraphSignature`).
     """
 
@@ -315,6 +316,25 @@ class StageGraphs:
     n_grad_sends: int
     grads: list[str]
     params: list[str]  # the parameters this stage holds (reads)
+    # zero-bubble's split of the backward (`passes.pipeline_split.split_backward`), or None
+    weight_split: BackwardSplit | None = None
+
+
+@dataclass
+class BackwardSplit:
+    """A stage's backward as zero-bubble runs it: the input-gradient part (what the previous
+    stage waits for) now, the weight-gradient part later, in the pipeline's bubbles.
+
+    ``input_grad`` returns the gradient slots sent back (as the whole backward does), then
+    ``n_stash`` values its weight part reads; ``weight_grad`` returns the parameter gradients
+    (the whole backward's ``grads``). Their inputs: as the backward's (`StageInput`), plus
+    kind "stash" (the input part's extra output ``index``)."""
+
+    input_grad: GraphModule
+    input_grad_inputs: list[StageInput]
+    n_stash: int
+    weight_grad: GraphModule
+    weight_grad_inputs: list[StageInput]
 
 
 @dataclass

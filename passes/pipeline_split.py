@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import torch
 from torch import fx
 
-from cost.plan_types import GraphSignature, PipelineGraphs, StageGraphs, StageInput
+from cost.plan_types import BackwardSplit, GraphSignature, PipelineGraphs, StageGraphs, StageInput
 from passes.recompute import is_backward, is_collective, is_random, mutates
 
 aten = torch.ops.aten
@@ -337,3 +337,58 @@ def _placeholder(graph: fx.Graph, source: fx.Node, name: str) -> fx.Node:
             node.meta[key] = source.meta[key]
     return node
 
+
+
+def split_backward(stage: StageGraphs) -> BackwardSplit:
+    """Cut ``stage``'s backward into its input-gradient part (every node the gradient slots sent
+    back depend on) and its weight-gradient part (the rest of what the parameter gradients
+    need), as zero-bubble schedules run them (Qi et al. 2023): the values the weight part reads
+    from the input part are stashed in between. The first stage sends nothing back: all of its
+    backward is weight part."""
+    gm = stage.backward
+    nodes = list(gm.graph.nodes)
+    holders = [n for n in nodes if n.op == "placeholder"]
+    source = dict(zip((h.name for h in holders), stage.backward_inputs))
+    outs = list(nodes[-1].args[0])
+    sends, grads = outs[:stage.n_grad_sends], outs[stage.n_grad_sends:]
+    first = _ancestors([s for s in sends if isinstance(s, fx.Node)])
+    made_first = {n.name for n in nodes if n.name in first and n.op == "call_function"}
+    # the weight part: what the gradients read, down to the input part's values (stashed)
+    second = _ancestors([g for g in grads if isinstance(g, fx.Node)], stop=made_first)
+    stash = [n for n in nodes if n.name in second and n.name in made_first]
+
+    def build(members: set[str], outputs: list, extra: list[fx.Node]) -> tuple[fx.GraphModule, list[StageInput]]:
+        graph, env, inputs = fx.Graph(), {}, []
+        for k, node in enumerate(extra):
+            env[node.name] = _placeholder(graph, node, f"stash_{node.name}")
+            inputs.append(StageInput("stash", node.name, k))
+        for h in holders:
+            if h.name in members and h.name not in env:
+                env[h.name] = _placeholder(graph, h, h.name)
+                inputs.append(source[h.name])
+        for n in nodes:
+            if n.op == "call_function" and n.name in members and n.name not in env:
+                env[n.name] = graph.node_copy(n, lambda a: env[a.name])
+        graph.output(tuple(env[o.name] if isinstance(o, fx.Node) else None for o in outputs))
+        out = fx.GraphModule(gm, graph)
+        out.graph.lint()
+        out.recompile()
+        return out, inputs
+
+    input_grad, input_inputs = build(first, sends + stash, [])
+    weight_grad, weight_inputs = build(second, grads, stash)
+    return BackwardSplit(input_grad, input_inputs, len(stash), weight_grad, weight_inputs)
+
+
+def _ancestors(roots: list[fx.Node], stop: set[str] = frozenset()) -> set[str]:
+    """Names of ``roots`` and every node (placeholders included) they read, transitively; a
+    node in ``stop`` is included but not read through."""
+    out: set[str] = set()
+    todo = list(roots)
+    while todo:
+        n = todo.pop()
+        if n.name not in out:
+            out.add(n.name)
+            if n.name not in stop:
+                todo.extend(n.all_input_nodes)
+    return out

@@ -75,7 +75,33 @@ def run_backward(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[torch.Te
     return sends, grads
 
 
-def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), grads=()) -> list:
+def run_backward_input(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[torch.Tensor],
+                       grads_in: Sequence[torch.Tensor | None]
+                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """Zero-bubble's first half of B_s: (the gradient slots sent back, the values stashed for
+    the weight half)."""
+    split = stage.weight_split
+    args = _feed(split.input_grad, split.input_grad_inputs, feeds, saved=saved, grads=grads_in)
+    with torch.no_grad():
+        out = list(split.input_grad(*args))
+    return out[:stage.n_grad_sends], out[stage.n_grad_sends:]
+
+
+def run_backward_weight(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[torch.Tensor],
+                        grads_in: Sequence[torch.Tensor | None], stash: Sequence[torch.Tensor]
+                        ) -> dict[str, torch.Tensor]:
+    """Zero-bubble's second half of B_s: the parameter gradients (as `run_backward`'s); it
+    reads the received gradient slots too (a weight gradient's matmul reads its output's
+    gradient)."""
+    split = stage.weight_split
+    args = _feed(split.weight_grad, split.weight_grad_inputs, feeds, saved=saved, grads=grads_in,
+                 stash=stash)
+    with torch.no_grad():
+        out = list(split.weight_grad(*args))
+    return {p: g for p, g in zip(stage.grads, out) if g is not None}
+
+
+def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), grads=(), stash=()) -> list:
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     args = []
     for holder, source in zip(holders, inputs):
@@ -84,6 +110,8 @@ def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), gr
             args.append(recv[source.index])
         elif kind == "saved":
             args.append(saved[source.index])
+        elif kind == "stash":
+            args.append(stash[source.index])
         elif kind == "grad":
             g = grads[source.index]
             if g is None:  # an unused slot arrives as zeros; a missing one is a bug upstream
@@ -105,10 +133,11 @@ def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), gr
     return args
 
 
-def run_sequential(split: PipelineGraphs, feeds: StageFeeds
+def run_sequential(split: PipelineGraphs, feeds: StageFeeds, zero_bubble: bool = False
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """All stages in one process, one micro-batch: (weighted loss, gradients), shared
-    parameters' parts summed. What the pipeline computes, without the schedule (for tests)."""
+    parameters' parts summed. What the pipeline computes, without the schedule (for tests);
+    ``zero_bubble``: each backward as its input half, then its weight half."""
     recv: Sequence[torch.Tensor] = ()
     saved_by_stage, loss = [], None
     for stage in split.stages:
@@ -121,7 +150,11 @@ def run_sequential(split: PipelineGraphs, feeds: StageFeeds
         grads_in = [None] * len(split.channels[stage.stage]) if stage.stage < split.pp - 1 else []
         for j, g in enumerate(slots):
             grads_in[j] = g
-        slots, part = run_backward(stage, feeds, saved_by_stage[stage.stage], grads_in)
+        if zero_bubble:
+            slots, stash = run_backward_input(stage, feeds, saved_by_stage[stage.stage], grads_in)
+            part = run_backward_weight(stage, feeds, saved_by_stage[stage.stage], grads_in, stash)
+        else:
+            slots, part = run_backward(stage, feeds, saved_by_stage[stage.stage], grads_in)
         for p, g in part.items():
             grads[p] = grads[p] + g if p in grads else g
     return loss, grads
@@ -170,10 +203,15 @@ class _StageFunction(torch.autograd.Function):
         # the last stage's seed is the micro-batch's own (1 / m or its share of the valid
         # tokens), not the 1 that the schedule's loss.backward() passes in
         grads_in = [] if runner.graphs.has_loss else list(grads)
-        sends, parts = run_backward(runner.graphs, ctx.feeds, ctx.saved, grads_in)
+        feeds, saved = ctx.feeds, ctx.saved
         ctx.saved = ctx.feeds = None
-        for p, g in parts.items():
-            runner.grads[p] = runner.grads[p] + g if p in runner.grads else g
+        if runner.zero_bubble:  # the weight half waits for the schedule's W action
+            sends, stash = run_backward_input(runner.graphs, feeds, saved, grads_in)
+            runner.pending.append(
+                lambda: runner.add(run_backward_weight(runner.graphs, feeds, saved, grads_in, stash)))
+        else:
+            sends, parts = run_backward(runner.graphs, feeds, saved, grads_in)
+            runner.add(parts)
         return (None, None, None, None, *sends)
 
 
@@ -191,6 +229,17 @@ class _StageRunner(nn.Module):
         self.grads = grads  # shared by the rank's stages: a parameter's parts add up
         # makes the Function's outputs require grad on the first stage, whose inputs do not
         self.anchor = torch.zeros((), requires_grad=True)
+        self.zero_bubble = graphs.weight_split is not None
+        self.pending: list[Callable[[], None]] = []  # weight halves not yet run
+
+    def add(self, parts: Mapping[str, torch.Tensor]) -> None:
+        """Add one micro-batch's parameter gradients to the step's sums."""
+        for p, g in parts.items():
+            self.grads[p] = self.grads[p] + g if p in self.grads else g
+
+    def weight_step(self) -> Callable[[], None]:
+        """PipelineStage's ``dw_builder``: the weight half of the backward that just ran."""
+        return self.pending.pop()
 
     def feeds(self, inputs: tuple, seed: torch.Tensor) -> StageFeeds:
         return StageFeeds(self.params, self.buffer_map, inputs, seed.reshape(()))
@@ -205,17 +254,26 @@ def schedule_class(schedule: str, pp: int, micro_batches: int):
     """The `torch.distributed.pipelining` schedule that runs ``schedule``: ScheduleGPipe for
     "afab", Schedule1F1B for "1f1b" (with fewer micro-batches than stages 1F1B's warm-up holds
     them all, which is GPipe's order: PyTorch's 1F1B refuses that case, so GPipe runs it),
-    ScheduleInterleaved1F1B for "interleaved-1f1b" (several stages per rank)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    ScheduleInterleaved1F1B for "interleaved-1f1b" (several stages per rank), and
+    ScheduleInterleavedZeroBubble (ZB1P, Qi et al. 2023) for "zero-bubble", its W actions
+    running each backward's weight half (`BackwardSplit`) in the bubbles."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
     if schedule == "interleaved-1f1b":
         return ScheduleInterleaved1F1B
+    if schedule == "zero-bubble":
+        return ScheduleInterleavedZeroBubble
     if schedule == "afab" or (schedule == "1f1b" and micro_batches < pp):
         return ScheduleGPipe
     if schedule == "1f1b":
         return Schedule1F1B
     raise ValueError(f"pipeline schedule {schedule!r} is not executed (runs: afab, 1f1b, "
-                     "interleaved-1f1b)")
+                     "interleaved-1f1b, zero-bubble)")
 
 
 def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
@@ -239,9 +297,10 @@ def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
         runner = _StageRunner(graphs, params, buffers, len(inputs), grads)
         stages.append(PipelineStage(runner, c, n_stages, device,
                                     input_args=_channel_example(graphs.forward, graphs.forward_inputs, device),
-                                    output_args=_output_example(graphs, device), group=plan.group))
+                                    output_args=_output_example(graphs, device), group=plan.group,
+                                    dw_builder=runner.weight_step if runner.zero_bubble else None))
     cls = schedule_class(plan.schedule, plan.pp, m)
-    several = plan.schedule == "interleaved-1f1b"
+    several = plan.schedule in ("interleaved-1f1b", "zero-bubble")
     schedule = cls(stages if several else stages[0], m, loss_fn=_weighted_loss, scale_grads=False)
     losses: list[torch.Tensor] = []
     seed = torch.tensor(list(seeds), dtype=torch.float32, device=device)

@@ -18,12 +18,11 @@ and their products (a ("dp", "tp") mesh), recompute "selective", "full" and part
 (passes/fp8.py: before TP, whose DTensors reduce a sharded amax over TP; the DP ranks' amaxes
 are all-reduced after it, `reduce_scales`), with gradient
 accumulation (the step captured for one micro-batch and run grad_accum times; see
-runtime/executor.py), in the model's own dtype. Pipelines (pp > 1, GPipe or 1F1B, with DP /
-ZeRO-1 and TP) run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
+runtime/executor.py), in the model's own dtype. Pipelines (pp > 1, with DP / ZeRO-1 and TP) run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
 at the plan's stages (passes/pipeline_split.py; each node on the stage of the captured node it
 comes from, as the cost model priced it) and the stage's graphs run under
-torch.distributed.pipelining (runtime/pipeline.py); the module then holds only its stage's
-parameters. Any other decision (interleaved or zero-bubble schedules, ZeRO-2/3 inside a pipeline,
+torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B, zero-bubble);
+the module then holds only its stages' parameters. Any other decision (ZeRO-2/3 inside a pipeline,
 context or expert parallelism, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
@@ -72,7 +71,7 @@ from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
-from passes.pipeline_split import PipelineSplitError, split_pipeline
+from passes.pipeline_split import PipelineSplitError, split_backward, split_pipeline
 from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
 from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
 from passes.token_count import token_counter, weight_loss_by_seed
@@ -396,11 +395,21 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], dec
             node_stage[n.name] = min(inputs, default=lay.pp - 1)
         else:
             node_stage[n.name] = max(inputs, default=0)
+    m = lay.grad_accum
+    rounds = max(1, m // lay.pp)
+    if lay.schedule in ("interleaved-1f1b", "zero-bubble") and m % rounds:
+        raise UnsupportedLayoutError(
+            f"layout {lay.short()}: PyTorch's {lay.schedule} schedule runs the micro-batches in "
+            f"rounds of pp={lay.pp} and needs grad_accum ({m}) to be a multiple of the number of "
+            f"rounds ({rounds}): use grad_accum <= pp or a multiple of pp")
     try:  # one stage per entry of the plan's stages (v per rank under interleaving)
         split = split_pipeline(gm, signature, node_stage, len(decisions.stages))
     except PipelineSplitError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: the stages {decisions.stages} cannot be "
                                      f"run: {exc}") from exc
+    if lay.schedule == "zero-bubble":  # each backward in two halves: input, then weight gradients
+        for stage in split.stages:
+            stage.weight_split = split_backward(stage)
     grid = mesh.mesh  # (dp, pp, tp) -> global rank
     shared_groups = {}
     for name, stages in sorted(split.shared.items()):

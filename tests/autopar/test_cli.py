@@ -171,7 +171,7 @@ def test_dump_arguments_are_checked_before_any_rank_starts(capsys):
     _fails(capsys, [*dump, "--seq", "0"], "--seq 0", "1 to 64")
     _fails(capsys, [*dump, "--rank", "2"], "--rank 2", "between 0 and 1")
     _fails(capsys, [*dump, "--layout", "dp=3"], "3 ranks", "multiply to 2")
-    _fails(capsys, [*dump, "--layout", "pp=2,schedule=zero-bubble"], "schedule 'zero-bubble'",
+    _fails(capsys, [*dump, "--layout", "pp=2,zero=3"], "ZeRO-3 inside a pipeline",
            "autopar plan --layout")
     _fails(capsys, [*dump, "--model", "nosuch"], "unknown model")
 
@@ -229,7 +229,7 @@ def test_argument_errors_answer_before_torch_is_imported():
     small box) is never loaded, so the message comes back in a fraction of a second."""
     code = ("import sys; from autopar.cli import main\n"
             "for argv in (['plan', '--model', 'gpt2', '--seq', '0'], ['plan', '--layout', 'dp=eight'],\n"
-            "             ['plan', '--model', 'gtp2'], ['dump', '--model', 'tiny-llama', '--layout', 'pp=2,schedule=zero-bubble']):\n"
+            "             ['plan', '--model', 'gtp2'], ['dump', '--model', 'tiny-llama', '--layout', 'pp=2,zero=3']):\n"
             "    assert main(argv) == 2, argv\n"
             "print('torch' in sys.modules)")
     t0 = time.perf_counter()

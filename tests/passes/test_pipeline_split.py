@@ -18,7 +18,7 @@ from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
 from cost.plan_types import GraphSignature
 from cost.stages import node_stages
-from passes.pipeline_split import PipelineSplitError, split_pipeline
+from passes.pipeline_split import PipelineSplitError, split_backward, split_pipeline
 from passes.recompute import apply_recompute, values_to_recompute
 from passes.token_count import weight_loss_by_seed
 from runtime.pipeline import StageFeeds, run_sequential
@@ -92,13 +92,17 @@ def _split(graph, analysis, sig, stages):
     return split_pipeline(graph.gm, sig, stage, len(stages))
 
 
-def _check(model, inputs, stages, recompute="none"):
+def _check(model, inputs, stages, recompute="none", zero_bubble=False):
     ref = copy.deepcopy(model)
     graph, analysis, sig = _graph(model, inputs, recompute)
     split = _split(graph, analysis, sig, stages)
+    if zero_bubble:
+        for stage in split.stages:
+            stage.weight_split = split_backward(stage)
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    loss, grads = run_sequential(split, StageFeeds(params, buffers, inputs, torch.tensor(1.0)))
+    loss, grads = run_sequential(split, StageFeeds(params, buffers, inputs, torch.tensor(1.0)),
+                                 zero_bubble=zero_bubble)
     ref_loss = ref(*inputs)
     ref_loss.backward()
     assert torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
@@ -122,12 +126,28 @@ def _cuts(layers: int, pp: int, draw) -> list[tuple[int, int]]:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), family=st.sampled_from(["llama", "gpt2", "mixtral", "plain"]),
-       layers=st.integers(2, 4), recompute=st.sampled_from(["none", "full"]))
-def test_stages_in_sequence_equal_the_joint_graph(data, family, layers, recompute):
+       layers=st.integers(2, 4), recompute=st.sampled_from(["none", "full"]), zero_bubble=st.booleans())
+def test_stages_in_sequence_equal_the_joint_graph(data, family, layers, recompute, zero_bubble):
+    """... and with each backward in zero-bubble's two halves (input, then weight gradients)."""
     pp = data.draw(st.integers(2, layers))
     stages = _cuts(layers, pp, data.draw)
     model, inputs = _plain(layers) if family == "plain" else _zoo(family, layers)
-    _check(model, inputs, stages, recompute)
+    _check(model, inputs, stages, recompute, zero_bubble)
+
+
+def test_zero_bubble_input_half_holds_no_weight_gradient_matmul():
+    """The input half computes what the previous stage waits for; every weight gradient's
+    matmul is left to the weight half (the bubble filler)."""
+    model, inputs = _zoo("llama", 2)
+    split = _check(model, inputs, [(0, 0), (1, 1)], zero_bubble=True)
+    last = split.stages[1].weight_split
+    mms = lambda gm: sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)  # noqa: E731
+    # block 1: 7 weight matmuls; the input half runs their input-gradient mm, the weight half
+    # their weight-gradient mm (and the head's), each exactly once
+    assert mms(last.input_grad) == 7 + 1 and mms(last.weight_grad) == 7 + 1
+    assert last.n_stash > 0
+    first = split.stages[0].weight_split  # sends nothing back: all of it is weight half
+    assert mms(first.input_grad) == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])

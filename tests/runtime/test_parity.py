@@ -106,7 +106,7 @@ def _errors_worker(rank: int, world: int) -> list[str]:
                     layout=autopar.Layout(dp=world, microbatch=1, grad_accum=4, precision="fp32"))
     except (autopar.InputError, autopar.LayoutError) as exc:
         seen.append("accum" if "micro-batches" in str(exc) or "grad_accum" in str(exc) else str(exc))
-    for bad, word in ((dict(pp=world, grad_accum=4, schedule="zero-bubble"), "zero-bubble"),
+    for bad, word in ((dict(pp=world, grad_accum=4, zero=3), "ZeRO-3 inside a pipeline"),
                       (dict(cp=world), "context"),
                       (dict(dp=world, precision="bf16"), "model's dtype")):
         try:

@@ -2,7 +2,7 @@
 
 Loss, every gradient and the updated parameters after 2 SGD then 2 AdamW steps (fp32, rtol 1e-5,
 `parity_checks`), under GPipe ("afab"), 1F1B with 1, 2 and 8 micro-batches, interleaved 1F1B
-(two stages per rank), pp=4 (also with
+(two stages per rank), zero-bubble (ZB1P: input and weight gradients apart), pp=4 (also with
 fewer micro-batches than stages), pp x dp with ZeRO-1, pp x tp with SP, with selective and full
 recompute; on tiny-llama, tiny-gpt2
 (its tied embedding and head live on the first and last stage), tiny-mixtral and a plain-PyTorch
@@ -108,6 +108,9 @@ TWO_RANKS = [(name, 2, dict(pp=2, schedule=schedule, grad_accum=m))
     # and head on stages 0 and 3, ranks 0 and 1
     ("tiny-llama", 4, dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, grad_accum=4)),
     ("tiny-gpt2", 4, dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, grad_accum=2)),
+    # zero-bubble (ZB1P): each backward's weight half runs in the bubbles
+    ("tiny-llama", 2, dict(pp=2, schedule="zero-bubble", grad_accum=4)),
+    ("tiny-mixtral", 2, dict(pp=2, schedule="zero-bubble", grad_accum=2)),
 ]
 
 
@@ -118,6 +121,7 @@ def test_pipeline_on_two_ranks_matches_one_device():
 
 FOUR_RANKS = [
     ("tiny-llama", 4, dict(pp=4, grad_accum=8)),
+    ("tiny-gpt2", 4, dict(pp=4, schedule="zero-bubble", grad_accum=8)),
     ("plain", 4, dict(pp=4, grad_accum=2)),  # fewer micro-batches than stages
     ("tiny-gpt2", 2, dict(pp=2, dp=2, zero=1, grad_accum=2)),
     ("tiny-llama", 2, dict(pp=2, tp=2, sp=True, grad_accum=2)),
@@ -176,3 +180,32 @@ def test_a_rank_dying_mid_schedule_ends_the_run_with_its_name():
     with pytest.raises(RankFailedError, match="rank 1 died.*exit code 3"):
         spawn(_dies_mid_schedule, 2, timeout_s=120)
     assert time.monotonic() - t0 < 60
+
+
+def _zero_bubble_order(rank: int, world: int) -> str:
+    import autopar
+    import runtime.pipeline as pipeline
+
+    model, batch = _model("tiny-llama", 4)
+    pm = autopar.parallelize(model, world, example_inputs=batch,
+                             layout=autopar.Layout(pp=world, schedule="zero-bubble", grad_accum=8))
+    log = []
+
+    def logged(run, letter):
+        def call(*args, **kwargs):
+            log.append(letter)
+            return run(*args, **kwargs)
+        return call
+
+    for name, letter in (("run_forward", "F"), ("run_backward_input", "I"), ("run_backward_weight", "W")):
+        setattr(pipeline, name, logged(getattr(pipeline, name), letter))
+    pm(*batch).backward()
+    return "".join(log)
+
+
+def test_zero_bubble_runs_weight_gradients_later():
+    """ZB1P's order on each rank: every micro-batch's F, I and W once; the last rank runs a
+    forward between an input half and its weight half (the W fills a bubble later)."""
+    orders = spawn(_zero_bubble_order, 4, timeout_s=300)
+    assert all(o.count("F") == o.count("I") == o.count("W") == 8 for o in orders)
+    assert "IF" in orders[-1] and orders[-1].endswith("WW")

@@ -39,9 +39,9 @@ def test_manual_layout_plan_is_inspectable_and_round_trips(llama):
     assert plan.placements["layers.0.attn.o_proj.weight"] == {"dp": "Shard(0)", "tp": "Shard(1)"}
     assert "runs     with autopar.parallelize" in text
     # a decision the runtime cannot run yet is said, not left to parallelize to find
-    zb = autopar.plan(model, inputs, cluster=cluster, layout=autopar.Layout(
-        dp=4, pp=2, microbatch=1, grad_accum=4, schedule="zero-bubble"))
-    assert "not yet with autopar.parallelize: the pipeline schedule 'zero-bubble'" in zb.summary()
+    zero3 = autopar.plan(model, inputs, cluster=cluster, layout=autopar.Layout(
+        dp=4, pp=2, zero=3, microbatch=1, grad_accum=4))
+    assert "not yet with autopar.parallelize: ZeRO-3 inside a pipeline" in zero3.summary()
     again = autopar.Plan.from_json(plan.to_json())
     assert again.layout == plan.layout and again.placements == plan.placements
     assert again.predicted.step_time_s == pytest.approx(pred.step_time_s)
