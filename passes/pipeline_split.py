@@ -268,7 +268,7 @@ def _stage_graphs(gm: fx.GraphModule, s: int, pp: int, nodes: list[fx.Node], nee
         env[n.name] = fg.node_copy(n, lambda a: env[a.name])
     sends = [env[v] for v in (channels[s] if s < pp - 1 else [])]
     fwd_values = set(env)
-    saved = [v for v in _read_by(bwd_nodes, need) if v in fwd_values and leaf.get(v) is None]
+    saved = [v for v in _read_by(bwd_nodes) if v in fwd_values and leaf.get(v) is None]
     saved_nodes = [env[v] for v in saved]
     tail = ([env[loss.name]] if loss is not None else []) + [env[v.name] for _, v in buffers]
     fg.output(tuple(sends + saved_nodes + tail))
@@ -309,7 +309,7 @@ def _stage_graphs(gm: fx.GraphModule, s: int, pp: int, nodes: list[fx.Node], nee
                        [name for name, _ in buffers], backward, binputs, n_grad_sends, names, held)
 
 
-def _read_by(graph_nodes: list[fx.Node], need: set[str]) -> list[str]:
+def _read_by(graph_nodes: list[fx.Node]) -> list[str]:
     """Names of the values ``graph_nodes`` read that they do not make, in first-read order."""
     made = {n.name for n in graph_nodes}
     out: dict[str, None] = {}
@@ -323,10 +323,10 @@ def _read_by(graph_nodes: list[fx.Node], need: set[str]) -> list[str]:
 def _add_leaves(graph: fx.Graph, graph_nodes: list[fx.Node], leaf: Mapping[str, StageInput],
                 env: dict[str, fx.Node], inputs: list[StageInput]) -> None:
     """Placeholders for the joint graph's leaves (parameters, inputs, seeds) ``graph_nodes`` read."""
-    for name in _read_by(graph_nodes, set()):
+    read = {i.name: i for n in graph_nodes for i in n.all_input_nodes}
+    for name in _read_by(graph_nodes):
         if name in leaf and name not in env:
-            node = next(i for n in graph_nodes for i in n.all_input_nodes if i.name == name)
-            env[name] = _placeholder(graph, node, name)
+            env[name] = _placeholder(graph, read[name], name)
             inputs.append(leaf[name])
 
 

@@ -277,19 +277,62 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
         pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
 
-        def step(pm=pm, opt=opt):
+        def step(pm=pm, opt=opt, optimizer=True):
             pm(*batch).backward()
-            opt.step()
+            if optimizer:
+                opt.step()
             opt.zero_grad()
 
         built.append((label, pm.plan, step, _hand_written(pm.plan.layout, ref, batch, world)))
     # every layout's steps and the hand-written ones round-robin: all see the same machine state
     times = _time_pair([fn for _, _, step, hand in built for fn in (step, hand)], warmup, repeat)
     rows = []
-    for (label, plan, _, _), measured, hand_s in zip(built, times[0::2], times[1::2]):
-        rows.append({"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
-                     "measured_s": measured, "hand_written_s": hand_s, "autopar_over_hand": measured / hand_s})
+    for (label, plan, step, _), measured, hand_s in zip(built, times[0::2], times[1::2]):
+        row = {"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
+               "measured_s": measured, "hand_written_s": hand_s, "autopar_over_hand": measured / hand_s}
+        if plan.layout.pp > 1:
+            tb = plan.predicted.time_breakdown
+            row["idle_measured_s"] = _pipeline_idle(step, repeat)
+            row["idle_predicted_s"] = tb["pp_bubble_s"] + tb["pp_p2p_s"]
+        rows.append(row)
     return rows
+
+
+def _pipeline_idle(step, repeat: int) -> float:
+    """Median seconds per step that this rank's stage spends outside its own graphs (bubble,
+    point-to-point and the schedule's bookkeeping), the optimizer step excluded: the step's
+    wall time less the time in the stage's forward and backward graphs."""
+    import torch.distributed as dist
+
+    import runtime.pipeline as pipeline
+
+    busy = [0.0]
+    names = ("run_forward", "run_backward", "run_backward_input", "run_backward_weight")
+    originals = {name: getattr(pipeline, name) for name in names}
+
+    def timed(run):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - t0
+        return call
+
+    for name in names:
+        setattr(pipeline, name, timed(originals[name]))
+    idle = []
+    try:
+        for _ in range(repeat):
+            busy[0] = 0.0
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(optimizer=False)
+            idle.append(time.perf_counter() - t0 - busy[0])
+    finally:
+        for name, run in originals.items():
+            setattr(pipeline, name, run)
+    return statistics.median(idle)
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:
@@ -393,7 +436,18 @@ def format_runtime_bench(result: dict) -> str:
             + f"\nSpearman rank correlation, predicted vs measured, over {result['distinct_layouts']} distinct "
             f"layouts: {result['spearman_predicted_vs_measured']:.2f}"
             + _overhead_line(result)
+            + _idle_lines(result)
             + _sample_line(result))
+
+
+def _idle_lines(result: dict) -> str:
+    """Each pipeline's time outside its stage's graphs, measured against the predicted bubble
+    plus point-to-point."""
+    return "".join(
+        f"\n{r['layout']}: rank 0 idle {fmt_time(r['idle_measured_s'])} per step (bubble + "
+        f"point-to-point), predicted {fmt_time(r['idle_predicted_s'])} (predicted / measured "
+        f"{r['idle_predicted_s'] / r['idle_measured_s']:.2f})"
+        for r in result["rows"] if "idle_measured_s" in r)
 
 
 def _overhead_line(result: dict) -> str:
