@@ -413,6 +413,7 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
         if measured_now:  # its numbers are kept in the result
             shutil.rmtree(Path(calibration).parent, ignore_errors=True)
     predicted, measured = _per_layout(rows)
+    flat = _per_layout([r for r in rows if "idle_measured_s" not in r])  # the pp = 1 layouts
     sample, fitted_by = _sample(_num_params(cfg))
     by = {r["layout"]: r for r in rows}
     base, full = by["ZeRO-3"], by["ZeRO-3 + full recompute"]
@@ -421,6 +422,7 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
     overhead["predicted_over_measured"] = overhead["predicted_s"] / overhead["measured_s"]
     return json_ready({"sample": sample, "fitted_by": fitted_by,"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
                        "spearman_predicted_vs_measured": _spearman(predicted, measured),
+                       "spearman_without_pipelines": _spearman(*flat),
                        "distinct_layouts": len(predicted), "calibration": cal,
                        "recompute_overhead": overhead,
                        "time_s": time.perf_counter() - t0})
@@ -434,7 +436,8 @@ def format_runtime_bench(result: dict) -> str:
     return (f"runtime bench on {result['world']} gloo ranks, batch {result['batch']} x seq {result['seq']}\n"
             + table(head, rows, "llrrrr")
             + f"\nSpearman rank correlation, predicted vs measured, over {result['distinct_layouts']} distinct "
-            f"layouts: {result['spearman_predicted_vs_measured']:.2f}"
+            f"layouts: {result['spearman_predicted_vs_measured']:.2f} "
+            f"({result.get('spearman_without_pipelines', float('nan')):.2f} without the pipelines)"
             + _overhead_line(result)
             + _idle_lines(result)
             + _sample_line(result))

@@ -104,6 +104,14 @@ def candidate_layouts(
                                 continue
 
 
+# Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs): ranks
+# share the host's cores, so a stage's bubble is no idle time (the others run faster then) and
+# the pipeline runtime's per-micro-batch host overhead is not calibrated there. Measured with
+# `python -m autopar bench runtime` (4 gloo ranks on the 2-core dev box, 2026-12-02): PP4 1F1B
+# predicted 393 ms, ran 330; the solver's dp2 pp2 zero-bubble mb1 ga8, predicted 262 ms (1 ms
+# ahead of DP), ran 412 ms against DP's 320; Spearman over the layouts fell from 0.99 to 0.23.
+
+
 def search(
     step: CapturedStep,
     cluster: Cluster,
@@ -129,6 +137,8 @@ def search(
                     stats["considered"] += 1
                     if executable_only and unsupported_decisions(layout):
                         continue  # autopar.parallelize searches only what it runs
+                    if layout.pp > 1 and cluster.gpu.is_cpu:
+                        continue  # see the note above search()
                     try:
                         check_layout(facts, cluster, layout)
                     except LayoutError:
