@@ -209,3 +209,40 @@ def test_zero_bubble_runs_weight_gradients_later():
     orders = spawn(_zero_bubble_order, 4, timeout_s=300)
     assert all(o.count("F") == o.count("I") == o.count("W") == 8 for o in orders)
     assert "IF" in orders[-1] and orders[-1].endswith("WW")
+
+
+def _checkpoint_worker(rank: int, world: int, path: str) -> list:
+    """A checkpoint saved under one plan loads under another, pipelines included."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+    from autopar import models
+
+    batch = models.example_inputs("tiny-gpt2", batch=4, seq=16)
+    layouts = [autopar.Layout(pp=world, grad_accum=2), autopar.Layout(dp=world, zero=3),
+               autopar.Layout(pp=world, schedule="afab", grad_accum=4)]
+    failures = []
+    for k, (before, after) in enumerate(zip(layouts, layouts[1:])):
+        pm = autopar.parallelize(models.build("tiny-gpt2", seed=1), world, example_inputs=batch, layout=before)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        pm(*batch).backward()
+        opt.step()
+        dcp.save(pm.state_dict(), checkpoint_id=f"{path}/{k}")
+        fresh = autopar.parallelize(models.build("tiny-gpt2", seed=2), world, example_inputs=batch, layout=after)
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=f"{path}/{k}")
+        fresh.load_state_dict(state)
+        # every rank's values, from whichever stage held them on either side
+        mine = [{n: p.full_tensor() for n, p in m.named_parameters()} for m in (pm, fresh)]
+        both = [None] * world
+        dist.all_gather_object(both, mine)
+        old = {n: t for rank_views in both for n, t in rank_views[0].items()}
+        new = {n: t for rank_views in both for n, t in rank_views[1].items()}
+        if set(old) != set(new) or not all(torch.equal(old[n], new[n]) for n in old):
+            failures.append((before.short(), after.short()))
+    return failures
+
+
+def test_checkpoints_move_between_pipeline_and_zero_plans(tmp_path):
+    assert spawn(_checkpoint_worker, 2, args=(str(tmp_path),), timeout_s=300) == [[], []]
