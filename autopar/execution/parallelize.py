@@ -188,7 +188,8 @@ def _dump_stage(head: str, pipeline: PipelinePlan, plan: Plan) -> str:
             for node, source in zip(holders, inputs):
                 what = {"recv": f"received from stage {s - 1}", "saved": "saved by this stage's forward",
                         "grad": f"gradient slot {source.index}, received from stage {s + 1}",
-                        "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss"}
+                        "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss",
+                        "stash": "kept from the input-gradient half"}
                 lines.append(f"#   {node.name}: {what.get(source.kind, source.kind)} {source.name}")
             lines.append(f"# outputs: {outputs}")
             reasons = {n.name: n.meta["autopar"] for n in gm.graph.nodes if "autopar" in n.meta}
@@ -202,8 +203,15 @@ def _dump_stage(head: str, pipeline: PipelinePlan, plan: Plan) -> str:
         body(graphs.forward, graphs.forward_inputs, "forward",
              sends + f"{graphs.n_saved} saved for the backward" + (", the loss x its seed" if graphs.has_loss else ""))
         grads = f"{graphs.n_grad_sends} gradient slots sent to stage {s - 1}, " if s > 0 else ""
-        body(graphs.backward, graphs.backward_inputs, "backward",
-             grads + f"gradients of {len(graphs.grads)} parameters")
+        split = graphs.weight_split
+        if split is None:
+            body(graphs.backward, graphs.backward_inputs, "backward",
+                 grads + f"gradients of {len(graphs.grads)} parameters")
+        else:  # zero-bubble: the weight half runs later, in the schedule's W action
+            body(split.input_grad, split.input_grad_inputs, "backward, input-gradient half",
+                 grads + f"{split.n_stash} values kept for the weight half")
+            body(split.weight_grad, split.weight_grad_inputs, "backward, weight-gradient half (run "
+                 "later, in a bubble)", f"gradients of {len(graphs.grads)} parameters")
     return "\n".join(lines)
 
 

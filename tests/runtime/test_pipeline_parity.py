@@ -95,6 +95,8 @@ def _pipeline_worker(rank: int, world: int, cases: list[tuple[str, int, dict]]) 
         pipeline = pm._rank_graph.pipeline
         if not all(f"pipeline stage {s} of {len(pm.plan.stages)}" in dump for s in pipeline.stages):
             failures.append((*label, "dump_graph does not show the stage"))
+        if (pm.plan.layout.schedule == "zero-bubble") != ("weight-gradient half" in dump):
+            failures.append((*label, "dump_graph does not show zero-bubble's two halves"))
     return failures
 
 
