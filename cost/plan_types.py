@@ -16,6 +16,7 @@ TP shard, DTensor's ``_StridedShard(0, sf=tp)``), and a fused projection split p
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -216,6 +217,7 @@ def _recompute_choice(data: dict) -> RecomputeChoice:
     return RecomputeChoice(mode if isinstance(mode, str) and mode != "auto" else "none")
 
 
+@functools.lru_cache(maxsize=65536)  # called per node and per layout by the search
 def block_pattern(name: str) -> str:
     """The name a decision about a weight or module is tied under: block (and expert) indices
     replaced by ``*`` (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``): alike blocks

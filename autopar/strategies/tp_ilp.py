@@ -445,9 +445,12 @@ def _attention_inputs(graph, analysis, matmuls, head_dim) -> dict[str, int]:
     """Weights whose outputs reach an attention op as Q, K or V: their head counts."""
     out: dict[str, int] = {}
     consumers: dict[str, list] = defaultdict(list)
+    attention = set()
     for n in graph.gm.graph.nodes:
         for a in n.all_input_nodes:
             consumers[a.name].append(n)
+        if any(k in str(n.target) for k in _ATTENTION):
+            attention.add(n.name)
     for mm, (param, _) in matmuls.items():
         stack, seen, depth = [mm], set(), 0
         while stack and depth < 2000:
@@ -457,7 +460,7 @@ def _attention_inputs(graph, analysis, matmuls, head_dim) -> dict[str, int]:
                 if user.name in seen or user.name in matmuls or analysis.nodes[user.name].phase != "forward":
                     continue
                 seen.add(user.name)
-                if any(k in str(user.target) for k in _ATTENTION):
+                if user.name in attention:
                     q = user.args[0].meta["val"]
                     d = head_dim or int(q.shape[-1])
                     out[param] = graph.param_shapes[param][0] // d

@@ -194,8 +194,14 @@ def virtual_stages(layout: Layout) -> int:
 
 
 def slot_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
-    """Pipeline rank of every slot (`slot_chunks` mod pp)."""
-    return slot_chunks(facts, cluster, layout) % max(layout.pp, 1)
+    """Pipeline rank of every slot (`slot_chunks` mod pp; memoised)."""
+    chunks = slot_chunks(facts, cluster, layout)
+    if virtual_stages(layout) == 1:
+        return chunks
+    key = ("stage_map", layout.pp, id(chunks))
+    if key not in facts._memo:
+        facts._memo[key] = (chunks, chunks % layout.pp)  # the chunks kept alive: their id is the key
+    return facts._memo[key][1]
 
 
 def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layout) -> np.ndarray:
