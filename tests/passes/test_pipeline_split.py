@@ -199,10 +199,13 @@ def _ancestors(node):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "mixtral", "qwen2-moe")
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
 def test_transformers_models_split_into_stages(family):
     import hf_tiny
 
     model = hf_tiny.build(family)
-    split = _check(model, hf_tiny.batch(size=2, seq=8), [(0, 0), (1, 1)])
+    split = _check(model, hf_tiny.batch(size=2, seq=8), [(0, 0), (1, 1)], zero_bubble=family == "llama")
     assert len(split.channels[0]) == 1  # the hidden states; masks and rotary tables are copied
