@@ -4,7 +4,7 @@ the whole global batch, not the mean of each rank's (or micro-batch's) own mean.
 30 % of the labels are ignored, unevenly: the first rows of the batch are mostly padding, the
 last hardly any, so every data-parallel rank and micro-batch has its own count. Loss, every
 gradient and the parameters after 2 SGD and 2 AdamW steps match one device (fp32, rtol 1e-5),
-under DP with gradient accumulation, ZeRO-3 and TP+SP, for the zoo's tiny Llama and
+under DP with gradient accumulation, ZeRO-3, TP+SP and a 1F1B pipeline, for the zoo's tiny Llama and
 transformers' Llama (which shifts its labels inside the model); with ``local_batch=True`` each
 rank passes only its slice.
 """
@@ -16,7 +16,8 @@ from parity_checks import adamw, sgd, train_and_compare
 
 from runtime.launch import spawn
 
-LAYOUTS = [{"dp": 2, "grad_accum": 2}, {"dp": 2, "zero": 3}, {"tp": 2, "sp": True, "grad_accum": 2}]
+LAYOUTS = [{"dp": 2, "grad_accum": 2}, {"dp": 2, "zero": 3}, {"tp": 2, "sp": True, "grad_accum": 2},
+           {"pp": 2, "grad_accum": 4}]  # a pipeline: each micro-batch seeded by its share
 
 
 def padded(labels: torch.Tensor, share: float = 0.3, seed: int = 7) -> torch.Tensor:
