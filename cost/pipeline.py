@@ -46,8 +46,12 @@ def in_flight_microbatches(
 ) -> float:
     """Micro-batches' worth of this stage's activations that ``stage`` holds at its peak.
 
-    afab: all m (every forward runs before any backward). 1F1B and ZB-H1: min(m, pp - stage)
-    (the first stage warms up with pp forwards). Interleaved 1F1B (Megatron-LM's
+    afab: all m (every forward runs before any backward). 1F1B: min(m, pp - stage) (the first
+    stage warms up with pp forwards). Zero-bubble: min(m, pp) on every stage: in PyTorch's ZB1P
+    order (ScheduleInterleavedZeroBubble, which autopar runs) every stage holds pp micro-batches
+    whose weight half has not run yet (the last of 4 stages runs F I F I F I F I W ...; the
+    first F F F F I W ...), and a micro-batch's saved values live until its W (measured:
+    tests/runtime/test_pipeline_memory.py). Interleaved 1F1B (Megatron-LM's
     get_num_warmup_microbatches): stage r runs 2*(pp-r-1) + (v-1)*pp warm-up chunk forwards plus
     the one in progress, each chunk holding 1/v of the stage's layers, so
     (2*(pp-r-1) + (v-1)*pp + 1) / v; for r = 0 this is pp*(1 + (pp-1)/(pp*v)), the factor of
@@ -65,6 +69,8 @@ def in_flight_microbatches(
         v = virtual_stages
         chunks = 2 * (pp - stage - 1) + (v - 1) * pp + 1
         return float(min(microbatches, chunks / v))
+    if name == "zero-bubble":
+        return float(min(microbatches, pp))
     return float(min(microbatches, pp - stage))
 
 

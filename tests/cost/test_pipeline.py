@@ -28,6 +28,7 @@ def test_in_flight():
     assert in_flight_microbatches("1f1b", 4, 16, stage=3) == 1
     assert in_flight_microbatches("1f1b", 8, 4, stage=0) == 4  # never more than m
     assert in_flight_microbatches("zero-bubble", 4, 16) == 4
+    assert in_flight_microbatches("zero-bubble", 4, 16, stage=3) == 4  # PyTorch's ZB1P order
     # Interleaved, p = 4, v = 2, stage 0: (2*3 + 1*4 + 1) / 2 = 5.5 = 4 * (1 + 3/(4*2)).
     assert in_flight_microbatches("interleaved-1f1b", 4, 16, 0, 2) == pytest.approx(5.5)
     # last stage: (0 + 4 + 1) / 2 = 2.5
