@@ -244,7 +244,7 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     accum=st.sampled_from([1, 2]),
     recompute=st.sampled_from(["none", "selective", "full", "partial"]),
     pp=st.sampled_from([1, 2]),
-    schedule=st.sampled_from(["afab", "1f1b", "interleaved-1f1b"]),
+    schedule=st.sampled_from(["afab", "1f1b", "interleaved-1f1b", "zero-bubble"]),
 )
 def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum,
                                                     recompute, pp, schedule):
