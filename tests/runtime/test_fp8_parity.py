@@ -40,13 +40,17 @@ CASES = {
     "2": [("tiny-llama", "rowwise", {"dp": 2, "zero": 3}),
           ("tiny-llama", "tensorwise", {"tp": 2}), ("tiny-llama", "rowwise_with_gw_hp", {"tp": 2, "sp": True}),
           ("tiny-llama", "tensorwise", {"dp": 2, "zero": 3, "recompute": "full"}),
-          ("plain", "tensorwise", {"dp": 2, "zero": 3})],
+          ("plain", "tensorwise", {"dp": 2, "zero": 3}),
+          # a pipeline of one micro-batch (several would scale each by its own amax, as a
+          # single device accumulating micro-batches would, not as one whole-batch step)
+          ("tiny-llama", "tensorwise", {"pp": 2, "grad_accum": 1})],
     # slow: more of the same on 2 ranks, and 4 ranks
     "2 more": [("hf-llama", "rowwise", {"tp": 2, "sp": True}), ("tiny-llama", "tensorwise", {"dp": 2}),
                ("tiny-llama", "tensorwise", {"tp": 2, "sp": True, "recompute": "selective"}),
                ("hf-gpt2", "tensorwise", {"dp": 2, "zero": 3}), ("hf-phi3", "rowwise", {"dp": 2})],
     "4": [("tiny-llama", "tensorwise", {"dp": 4, "zero": 3}), ("tiny-llama", "tensorwise", {"dp": 2, "tp": 2, "sp": True}),
-          ("tiny-gpt2", "tensorwise", {"dp": 4}), ("plain", "rowwise", {"dp": 4})],
+          ("tiny-gpt2", "tensorwise", {"dp": 4}), ("plain", "rowwise", {"dp": 4}),
+          ("tiny-llama", "rowwise", {"pp": 2, "dp": 2, "grad_accum": 1})],
 }
 
 
