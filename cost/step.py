@@ -52,6 +52,7 @@ from cost.terms.compute import (
     node_stages,
     node_times,
     params_per_stage,
+    slot_stages,
     stage_of,
     step_node_times,
     virtual_stages,
@@ -338,6 +339,7 @@ def _memory(facts, cluster, lay, rec, params_stage, choice: RecomputeChoice | No
                                          columns(facts, choice))
     extra = extra if transient else 0.0
     block_params_ = block_params(facts, lay, n_layers)
+    stash = zb_stash_per_stage(facts, cluster, lay)
     out = []
     for s in range(pp):
         states = model_state_bytes(float(params_stage[s]), rec, lay.zero, lay.dp * lay.cp)
@@ -346,9 +348,25 @@ def _memory(facts, cluster, lay, rec, params_stage, choice: RecomputeChoice | No
                 params=states["params"],
                 grads=states["grads"],
                 optimizer=states["optimizer"],
-                activations=float(per_stage[s]) * _flight(lay, s),
+                activations=(float(per_stage[s]) + float(stash[s])) * _flight(lay, s),
                 buffers=buffer_bytes(lay.dp * lay.cp, lay.zero, block_params_, rec.param_bytes) + extra,
                 reserve=cluster.params.memory_reserve_bytes,
             )
         )
     return out
+
+
+def zb_stash_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
+    """Bytes per stage and micro-batch that zero-bubble keeps from a backward's input half for
+    its weight half (`StepFacts.zb_stash_bytes`, local shape); 0 under other schedules and on
+    the first stage, whose backward is all weight half (it sends no gradient back). Under TP
+    divided by tp (an approximation: a column matmul's output gradient is split over TP, a row
+    matmul's over the sequence under SP only)."""
+    stash = np.zeros(lay.pp)
+    if lay.schedule != "zero-bubble" or lay.pp == 1 or not len(facts.zb_stash_bytes):
+        return stash
+    per_slot = facts.zb_stash_bytes * (lay.microbatch / facts.batch / lay.cp / lay.tp)
+    stash += np.bincount(slot_stages(facts, cluster, lay), weights=per_slot, minlength=lay.pp)
+    stash[0] = 0.0
+    return stash * cluster.params.activation_fragmentation
+

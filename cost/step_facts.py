@@ -196,6 +196,9 @@ class StepFacts:
     # the heavy groups (matmul and attention outputs tied across blocks,
     # `passes.recompute.heavy_groups`) a partial recompute choice names, in column order
     recompute_groups: tuple[str, ...] = ()
+    # zero-bubble's stash per slot (-1 .. L), whole batch: the input halves' values the weight
+    # halves read (`passes.pipeline_split.weight_half_reads`), held until each W runs
+    zb_stash_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -224,6 +227,7 @@ class StepFacts:
             events=self.events.rebatch(r),
             block_input_bytes=self.block_input_bytes * r,
             expert_io_bytes=self.expert_io_bytes * r,
+            zb_stash_bytes=self.zb_stash_bytes * r,
             _memo={},
         )
 

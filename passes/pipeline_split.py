@@ -392,3 +392,20 @@ def _ancestors(roots: list[fx.Node], stop: set[str] = frozenset()) -> set[str]:
             if n.name not in stop:
                 todo.extend(n.all_input_nodes)
     return out
+
+
+def weight_half_reads(gm: fx.GraphModule, layers: Mapping[str, int]) -> list[str]:
+    """The values zero-bubble stashes from a backward's input half for its weight half, on the
+    whole joint graph before any cut (what `split_backward` would stash at every cut between
+    blocks): the input half is everything the gradients that cross a block boundary backward
+    depend on (``layers``: each node's block, as `cost.stages.effective_layers` gives them);
+    the stash is what of it the rest of the parameter gradients read."""
+    nodes = list(gm.graph.nodes)
+    backward = _backward_nodes(nodes)
+    crossing = [n for n in nodes if n.name in backward
+                and any(u.name in backward and layers.get(u.name, 0) < layers.get(n.name, 0)
+                        for u in n.users)]
+    first = {name for name in _ancestors(crossing) if name in backward}
+    outs = [o for o in nodes[-1].args[0] if isinstance(o, fx.Node)]
+    second = _ancestors([o for o in outs if o.name in backward and o.name not in first], stop=first)
+    return [n.name for n in nodes if n.name in first and n.name in second]

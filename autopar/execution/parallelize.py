@@ -18,8 +18,9 @@ and their products (a ("dp", "tp") mesh), recompute "selective", "full" and part
 (passes/fp8.py: before TP, whose DTensors reduce a sharded amax over TP; the DP ranks' amaxes
 are all-reduced after it, `reduce_scales`), with gradient
 accumulation (the step captured for one micro-batch and run grad_accum times; see
-runtime/executor.py), in the model's own dtype. Pipelines (pp > 1, with DP / ZeRO-1 and TP) run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
-at the plan's stages (passes/pipeline_split.py; each node on the stage of the captured node it
+runtime/executor.py), in the model's own dtype. Pipelines (pp > 1, with DP / ZeRO-1 and TP)
+run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut at the plan's
+stages (passes/pipeline_split.py; each node on the stage of the captured node it
 comes from, as the cost model priced it) and the stage's graphs run under
 torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B, zero-bubble);
 the module then holds only its stages' parameters. Any other decision (ZeRO-2/3 inside a pipeline,
@@ -181,38 +182,43 @@ def _dump_stage(head: str, pipeline: PipelinePlan, plan: Plan) -> str:
                      f"parameters held: {len(graphs.params)}"
                      + (f"; shared with other ranks: {sorted(pipeline.shared_groups)}"
                         if pipeline.shared_groups else ""))
-
-        def body(gm, inputs, title, outputs, s=s):
-            lines.append(f"# {title}, once per micro-batch; inputs:")
-            holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            for node, source in zip(holders, inputs):
-                what = {"recv": f"received from stage {s - 1}", "saved": "saved by this stage's forward",
-                        "grad": f"gradient slot {source.index}, received from stage {s + 1}",
-                        "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss",
-                        "stash": "kept from the input-gradient half"}
-                lines.append(f"#   {node.name}: {what.get(source.kind, source.kind)} {source.name}")
-            lines.append(f"# outputs: {outputs}")
-            reasons = {n.name: n.meta["autopar"] for n in gm.graph.nodes if "autopar" in n.meta}
-            for line in gm.code.splitlines():
-                if not line.strip():
-                    continue
-                name = line.strip().split(" = ")[0] if " = " in line else ""
-                lines.append(f"{line}  # {reasons[name]}" if name in reasons else line)
-
         sends = f"{graphs.n_sends} values sent to stage {s + 1}, " if s < n - 1 else ""
-        body(graphs.forward, graphs.forward_inputs, "forward",
-             sends + f"{graphs.n_saved} saved for the backward" + (", the loss x its seed" if graphs.has_loss else ""))
+        lines += _stage_graph_lines(s, graphs.forward, graphs.forward_inputs, "forward",
+                                    sends + f"{graphs.n_saved} saved for the backward"
+                                    + (", the loss x its seed" if graphs.has_loss else ""))
         grads = f"{graphs.n_grad_sends} gradient slots sent to stage {s - 1}, " if s > 0 else ""
         split = graphs.weight_split
         if split is None:
-            body(graphs.backward, graphs.backward_inputs, "backward",
-                 grads + f"gradients of {len(graphs.grads)} parameters")
+            lines += _stage_graph_lines(s, graphs.backward, graphs.backward_inputs, "backward",
+                                        grads + f"gradients of {len(graphs.grads)} parameters")
         else:  # zero-bubble: the weight half runs later, in the schedule's W action
-            body(split.input_grad, split.input_grad_inputs, "backward, input-gradient half",
-                 grads + f"{split.n_stash} values kept for the weight half")
-            body(split.weight_grad, split.weight_grad_inputs, "backward, weight-gradient half (run "
-                 "later, in a bubble)", f"gradients of {len(graphs.grads)} parameters")
+            lines += _stage_graph_lines(s, split.input_grad, split.input_grad_inputs,
+                                        "backward, input-gradient half",
+                                        grads + f"{split.n_stash} values kept for the weight half")
+            lines += _stage_graph_lines(s, split.weight_grad, split.weight_grad_inputs,
+                                        "backward, weight-gradient half (run later, in a bubble)",
+                                        f"gradients of {len(graphs.grads)} parameters")
     return "\n".join(lines)
+
+
+def _stage_graph_lines(s: int, gm, inputs, title: str, outputs: str) -> list[str]:
+    """One of stage ``s``'s graphs as code, its inputs named and its collectives commented."""
+    what = {"recv": f"received from stage {s - 1}", "saved": "saved by this stage's forward",
+            "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss",
+            "stash": "kept from the input-gradient half"}
+    lines = [f"# {title}, once per micro-batch; inputs:"]
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, source in zip(holders, inputs):
+        kind = (f"gradient slot {source.index}, received from stage {s + 1}" if source.kind == "grad"
+                else what.get(source.kind, source.kind))
+        lines.append(f"#   {node.name}: {kind} {source.name}")
+    lines.append(f"# outputs: {outputs}")
+    reasons = {n.name: n.meta["autopar"] for n in gm.graph.nodes if "autopar" in n.meta}
+    for line in gm.code.splitlines():
+        if line.strip():
+            name = line.strip().split(" = ")[0] if " = " in line else ""
+            lines.append(f"{line}  # {reasons[name]}" if name in reasons else line)
+    return lines
 
 
 def parallelize(

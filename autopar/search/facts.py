@@ -24,6 +24,7 @@ from cost.plan_types import GraphSignature
 from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from passes.fp8 import cast_shares, weight_matmuls
+from passes.pipeline_split import weight_half_reads
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -195,8 +196,19 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         block_input_bytes=_block_input_bytes(graph, analysis, bd),
         expert_io_bytes=expert_io,
         tp_fallbacks=sorted(tp.fallback_ops),
+        zb_stash_bytes=_zb_stash(graph, analysis, layer_eff, n_layers),
     )
     return facts
+
+
+def _zb_stash(graph: TrainingGraph, analysis: GraphAnalysis, layer_eff: dict[str, int],
+              n_layers: int) -> np.ndarray:
+    """Zero-bubble's stash per slot (-1 .. L), whole batch: bytes of the values its input halves
+    keep for its weight halves (the runtime's own rule, `weight_half_reads`)."""
+    out = np.zeros(max(n_layers, 1) + 2)
+    for name in weight_half_reads(graph.gm, layer_eff):
+        out[min(max(layer_eff.get(name, -1), -1), n_layers) + 1] += analysis.nodes[name].nbytes
+    return out
 
 
 def _batch_and_seq(user_inputs) -> tuple[int, int]:
