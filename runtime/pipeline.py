@@ -168,7 +168,7 @@ class PipelinePlan:
     rank: int  # this rank's place in its pipeline (0 .. pp - 1)
     pp: int  # ranks in the pipeline
     group: dist.ProcessGroup  # the ranks of this rank's pipeline, in order
-    schedule: str  # "afab", "1f1b" or "interleaved-1f1b"
+    schedule: str  # "afab", "1f1b", "interleaved-1f1b" or "zero-bubble"
     # shared parameter -> the group of the ranks that hold it (this rank among them)
     shared_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     zero_sharded: list[str] = field(default_factory=list)  # ZeRO-1: rows over the dp ranks
