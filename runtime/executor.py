@@ -110,13 +110,7 @@ class _JointStep(torch.autograd.Function):
                     sums[name] = g if name not in sums else sums[name] + g
             part = out[rank_graph.loss_index].detach()  # weighted by its seed
             loss = part if loss is None else loss + part
-        ctx.grads = []
-        for name, p in zip(names, params):
-            g = sums.get(name)
-            if g is not None and isinstance(p, DTensor):
-                g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
-                                       shape=p.shape, stride=p.stride())
-            ctx.grads.append(g)
+        ctx.grads = _as_parameters(sums, names, params)
         return loss
 
     @staticmethod
@@ -149,16 +143,23 @@ class _PipelineStep(torch.autograd.Function):
         if dp > 1:
             rank = torch.distributed.get_rank(group)
             loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank)
-        ctx.grads = []
-        for name, p in zip(names, params):
-            g = grads.get(name)
-            if g is not None and isinstance(p, DTensor):
-                g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
-                                       shape=p.shape, stride=p.stride())
-            ctx.grads.append(g)
+        ctx.grads = _as_parameters(grads, names, params)
         return loss
 
     backward = staticmethod(_JointStep.backward)
+
+
+def _as_parameters(grads: dict[str, torch.Tensor], names: list[str], params) -> list:
+    """Each parameter's local gradient (None where it has none), as a DTensor with the
+    parameter's mesh and placements where the parameter is one."""
+    out = []
+    for name, p in zip(names, params):
+        g = grads.get(name)
+        if g is not None and isinstance(p, DTensor):
+            g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride())
+        out.append(g)
+    return out
 
 
 def _seeds(rank_graph: RankGraph, user_inputs: tuple, device) -> list[float]:

@@ -123,7 +123,6 @@ def _hand_written(layout, model, batch, world: int):
 def _hand_written_tp(layout, model, batch):
     """torchtitan's Llama plan: Megatron column/row linears, SP norms, parallel loss; over DP,
     gradients all-reduced in one flat bucket after the backward (what DDP would do)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -169,19 +168,27 @@ def _hand_written_tp(layout, model, batch):
         with loss_parallel():
             model(*local).backward()
         if layout.dp > 1:
-            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=dp_group)
-            flat /= layout.dp
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _mean_over(dp_group, layout.dp,
+                       [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()])
         for opt in opts:
             opt.step()
             opt.zero_grad()
 
     return step
+
+
+def _mean_over(group, n: int, grads: list) -> None:
+    """The hand-written layouts' DP: the gradients averaged over ``group`` in one flat
+    all-reduce after the backward, in place (what DDP would do, unbucketed)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= n
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class _EvenStage(torch.nn.Module):
@@ -207,7 +214,6 @@ def _hand_written_pp(layout, model, batch):
     """The same pipeline with `torch.distributed.pipelining` by hand: an even split of the
     blocks, the plan's schedule and micro-batches; over DP, the gradients all-reduced in one
     flat bucket after the schedule (what autopar's runtime does too)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -243,14 +249,7 @@ def _hand_written_pp(layout, model, batch):
         else:
             schedule.step()
         if layout.dp > 1:
-            grads = [p.grad for p in stage_module.parameters()]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=dp_group)
-            flat /= layout.dp
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _mean_over(dp_group, layout.dp, [p.grad for p in stage_module.parameters()])
         opt.step()
         opt.zero_grad()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from plain_models import Block
 from torch import nn
 
 from autopar import models
@@ -24,19 +25,6 @@ from passes.token_count import weight_loss_by_seed
 from runtime.pipeline import StageFeeds, run_sequential
 
 
-class Residual(nn.Module):
-    """x + fc2(relu(fc1(norm(x))))."""
-
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, inner)
-        self.fc2 = nn.Linear(inner, hidden)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
 class PlainNet(nn.Module):
     """A model of our own: an input projection, unequal blocks (every other one twice as wide),
     a BatchNorm whose statistics the forward updates, and a regression loss."""
@@ -44,7 +32,7 @@ class PlainNet(nn.Module):
     def __init__(self, hidden: int = 16, layers: int = 4) -> None:
         super().__init__()
         self.inp = nn.Linear(8, hidden)
-        self.layers = nn.ModuleList(Residual(hidden, 2 * hidden * (1 + i % 2)) for i in range(layers))
+        self.layers = nn.ModuleList(Block(hidden, 2 * hidden * (1 + i % 2)) for i in range(layers))
         self.bn = nn.BatchNorm1d(hidden)
         self.out = nn.Linear(hidden, 1)
 

@@ -20,22 +20,10 @@ import torch
 from parity_checks import adamw, sgd
 from parity_checks import contract as _contract
 from parity_checks import train_and_compare as _train_and_compare
+from plain_models import Block
 from torch import nn
 
 from runtime.launch import RankFailedError, spawn
-
-
-class Block(nn.Module):
-    """x + fc2(gelu(fc1(norm(x)))) with its own width: the blocks are unequal."""
-
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, inner)
-        self.fc2 = nn.Linear(inner, hidden)
-
-    def forward(self, x):
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
 class PlainNet(nn.Module):
