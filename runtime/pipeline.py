@@ -9,9 +9,10 @@ How the graphs meet PyTorch's schedule runtime: the stage's module is a thin `nn
 forward is an autograd Function; its forward runs F_s (keeping the saved values in the
 Function's context) and returns the values sent on, its backward runs B_s on the gradient
 slots the next stage sent and returns the gradients sent back. The schedule runtime sees an
-ordinary module and runs its own ScheduleGPipe ("afab"), Schedule1F1B ("1f1b") and
-ScheduleInterleaved1F1B ("interleaved-1f1b") unchanged: no home-made scheduler. The parameters' gradients never pass through autograd: B_s returns
-them and the stage adds them up over the micro-batches.
+ordinary module and runs its own ScheduleGPipe ("afab"), Schedule1F1B ("1f1b"),
+ScheduleInterleaved1F1B ("interleaved-1f1b") and ScheduleInterleavedZeroBubble ("zero-bubble")
+unchanged: no home-made scheduler. The parameters' gradients never pass through autograd: B_s
+returns them and the stage adds them up over the micro-batches.
 
 Every stage reads the micro-batch's user inputs (each rank has the batch: the labels reach the
 last stage without travelling through the pipeline) and its seed gradient, both given to the
@@ -51,9 +52,7 @@ def run_forward(stage: StageGraphs, feeds: StageFeeds, recv: Sequence[torch.Tens
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """Run F_s: (values sent on, saved values, the weighted loss on the last stage). The
     buffers the forward updates are written back into ``feeds.buffers``."""
-    args = _feed(stage.forward, stage.forward_inputs, feeds, recv=recv)
-    with torch.no_grad():
-        out = list(stage.forward(*args))
+    out = _run(stage.forward, stage.forward_inputs, feeds, recv=recv)
     k, n = stage.n_sends, stage.n_saved
     sends, saved, rest = out[:k], out[k:k + n], out[k + n:]
     loss = rest.pop(0) if stage.has_loss else None
@@ -67,12 +66,8 @@ def run_backward(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[torch.Te
                  ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
     """Run B_s: (one value per slot of the previous channel, None where unused; the
     gradient, or for a shared parameter this stage's part, of each parameter it holds)."""
-    args = _feed(stage.backward, stage.backward_inputs, feeds, saved=saved, grads=grads_in)
-    with torch.no_grad():
-        out = list(stage.backward(*args))
-    sends = out[:stage.n_grad_sends]
-    grads = {p: g for p, g in zip(stage.grads, out[stage.n_grad_sends:]) if g is not None}
-    return sends, grads
+    out = _run(stage.backward, stage.backward_inputs, feeds, saved=saved, grads=grads_in)
+    return out[:stage.n_grad_sends], _named(stage, out[stage.n_grad_sends:])
 
 
 def run_backward_input(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[torch.Tensor],
@@ -81,9 +76,7 @@ def run_backward_input(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[to
     """Zero-bubble's first half of B_s: (the gradient slots sent back, the values stashed for
     the weight half)."""
     split = stage.weight_split
-    args = _feed(split.input_grad, split.input_grad_inputs, feeds, saved=saved, grads=grads_in)
-    with torch.no_grad():
-        out = list(split.input_grad(*args))
+    out = _run(split.input_grad, split.input_grad_inputs, feeds, saved=saved, grads=grads_in)
     return out[:stage.n_grad_sends], out[stage.n_grad_sends:]
 
 
@@ -94,11 +87,26 @@ def run_backward_weight(stage: StageGraphs, feeds: StageFeeds, saved: Sequence[t
     reads the received gradient slots too (a weight gradient's matmul reads its output's
     gradient)."""
     split = stage.weight_split
-    args = _feed(split.weight_grad, split.weight_grad_inputs, feeds, saved=saved, grads=grads_in,
-                 stash=stash)
+    return _named(stage, _run(split.weight_grad, split.weight_grad_inputs, feeds, saved=saved,
+                              grads=grads_in, stash=stash))
+
+
+def _named(stage: StageGraphs, grads: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """The gradient outputs of a stage's backward by parameter name (None left out)."""
+    return {p: g for p, g in zip(stage.grads, grads) if g is not None}
+
+
+def add_gradients(sums: dict[str, torch.Tensor], parts: Mapping[str, torch.Tensor]) -> None:
+    """Add one micro-batch's (or one stage's) parameter gradients to ``sums``, out of place."""
+    for p, g in parts.items():
+        sums[p] = sums[p] + g if p in sums else g
+
+
+def _run(gm, inputs: list[StageInput], feeds: StageFeeds, **channels) -> list:
+    """Run one of a stage's graphs on what feeds its placeholders."""
+    args = _feed(gm, inputs, feeds, **channels)
     with torch.no_grad():
-        out = list(split.weight_grad(*args))
-    return {p: g for p, g in zip(stage.grads, out) if g is not None}
+        return list(gm(*args))
 
 
 def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), grads=(), stash=()) -> list:
@@ -115,7 +123,7 @@ def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), gr
         elif kind == "grad":
             g = grads[source.index]
             if g is None:  # an unused slot arrives as zeros; a missing one is a bug upstream
-                raise RuntimeError(f"stage {gm}: no gradient in slot {source.index} ({source.name})")
+                raise RuntimeError(f"no gradient arrived in slot {source.index} ({source.name})")
             args.append(g)
         elif kind == "param":
             args.append(feeds.params[source.name])
@@ -155,8 +163,7 @@ def run_sequential(split: PipelineGraphs, feeds: StageFeeds, zero_bubble: bool =
             part = run_backward_weight(stage, feeds, saved_by_stage[stage.stage], grads_in, stash)
         else:
             slots, part = run_backward(stage, feeds, saved_by_stage[stage.stage], grads_in)
-        for p, g in part.items():
-            grads[p] = grads[p] + g if p in grads else g
+        add_gradients(grads, part)
     return loss, grads
 
 
@@ -234,8 +241,7 @@ class _StageRunner(nn.Module):
 
     def add(self, parts: Mapping[str, torch.Tensor]) -> None:
         """Add one micro-batch's parameter gradients to the step's sums."""
-        for p, g in parts.items():
-            self.grads[p] = self.grads[p] + g if p in self.grads else g
+        add_gradients(self.grads, parts)
 
     def weight_step(self) -> Callable[[], None]:
         """PipelineStage's ``dw_builder``: the weight half of the backward that just ran."""
