@@ -64,6 +64,13 @@ class Calibration:
     # Other top-level keys the measuring side writes ("torch", "raw", ...), kept verbatim.
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def pipeline_overhead_s(self) -> float:
+        """Host seconds of one stage-to-stage transfer beyond the raw send/recv (PyTorch's
+        pipelining schedule and stage bookkeeping), measured by a 2-rank pipeline of trivial
+        stages (``pipeline.overhead_s``; 0 in files written before it was measured)."""
+        return float(self.extra.get("pipeline", {}).get("overhead_s", 0.0))
+
     def to_dict(self) -> dict:
         """JSON-safe dict in the file format."""
         out = {

@@ -12,7 +12,7 @@ import difflib
 import json
 import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .calibration import (
@@ -43,6 +43,24 @@ class Link:
     bandwidth: float
     latency: float
     source: str
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """Ranks that time-share one host's cores (local CPU ranks): ``cores`` as os.cpu_count()
+    reports them, ``threads`` the calibration's thread count, ``threads_per_rank`` each rank's
+    (`rank_share`). A rank idle in a pipeline bubble lends its core to the busy ones."""
+
+    cores: int
+    threads: int
+    threads_per_rank: int
+
+    def busy_speedup(self, ranks: int, busy: float) -> float:
+        """How much faster a rank computes when only a ``busy`` fraction of the ``ranks`` runs
+        at once than when all do (1.0: no gain; `rank_share` at ranks * busy active ranks)."""
+        share = rank_share(self.threads, self.cores, ranks, self.threads_per_rank)[0]
+        cores_per_rank = min(float(self.threads_per_rank), self.cores / max(ranks * busy, 1e-9))
+        return cores_per_rank / min(self.threads, self.cores) / share
 
 
 # --- link datasheets and published measurements -----------------------------------------------
@@ -215,6 +233,7 @@ _OVERRIDABLE = (
     "collective_fits",
     "params",
     "fit_coverage",
+    "host_share",
     "source",
 )
 
@@ -245,6 +264,7 @@ class Cluster:
         of a profile file (`from_profile`; the shipped ``h100-efa`` profile is a fit).
     fit_coverage: for fitted parameters, the layout values the fit's runs had (field -> values;
         `cost.profile.coverage_notes` says where a layout leaves them).
+    host_share: local CPU ranks that share one host's cores (`HostShare`); None for devices.
     """
 
     name: str
@@ -262,6 +282,7 @@ class Cluster:
     collective_fits: dict[str, CollectiveFit] | None
     params: CostParams
     fit_coverage: dict | None
+    host_share: HostShare | None
     source: str
 
     def __init__(self, name: str = "h100", nodes: int = 1, gpus_per_node: int = 8, **overrides):
@@ -286,6 +307,7 @@ class Cluster:
             "collective_fits": None,
             "params": CostParams(),
             "fit_coverage": None,
+            "host_share": None,
         }
         values.update(_profile(key))
         values.update(overrides)
@@ -346,9 +368,11 @@ class Cluster:
         where = f"`autopar calibrate` on {cal.host or 'this host'} {cal.date} ({source})"
         threads = cal.extra.get("raw", {}).get("threads", {})
         share, busy = 1.0, 1.0  # files without thread counts: each rank gets the measured rate
+        host = None
         if threads.get("intra_op") and threads.get("cpu_count"):
             per_rank = threads_per_rank or (1 if ranks > 1 else threads["intra_op"])
             share, busy = rank_share(threads["intra_op"], threads["cpu_count"], ranks, per_rank)
+            host = HostShare(int(threads["cpu_count"]), int(threads["intra_op"]), int(per_rank))
         spec = GPUSpec(
             name="cpu-local",
             peak_flops={k: v * share for k, v in cal.matmul_flops.items()},
@@ -381,6 +405,8 @@ class Cluster:
             intra_efficiency=efficiency,
             base_latency=0.0,
             collective_fits=fits,
+            params=replace(CostParams(), p2p_overhead_s=cal.pipeline_overhead_s),
+            host_share=host,
             source=f"this machine, {where}",
         )._renamed("local")
 
@@ -440,7 +466,7 @@ class Cluster:
                 gpu.memory_bw, gpu.memory_efficiency, gpu.matmul_efficiency, gpu.kernel_floor_s,
                 self.intra, self.inter, tuple(sorted(self.intra_efficiency.items())),
                 self.inter_efficiency, self.base_latency, curves, self.curve_message_bytes,
-                self.curve_gpus_per_node, fits, self.params)
+                self.curve_gpus_per_node, fits, self.params, self.host_share)
 
     def describe(self) -> str:
         """One line: profile, shape, GPU and links."""
@@ -473,6 +499,8 @@ class Cluster:
                 value = {k: [list(p) for p in pts] for k, pts in value.items()}
             elif isinstance(value, CostParams):
                 value = value.to_dict()
+            elif isinstance(value, HostShare):
+                value = asdict(value)
             elif f.name == "collective_fits" and value is not None:
                 value = {k: {"latency_s": v.latency_s, "busbw": v.busbw} for k, v in value.items()}
             elif isinstance(value, dict):
@@ -487,7 +515,7 @@ class Cluster:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown Cluster fields {sorted(unknown)}; known: {sorted(known)}")
-        missing = known - set(data) - {"params", "fit_coverage"}  # plans written before them
+        missing = known - set(data) - {"params", "fit_coverage", "host_share"}  # plans written before them
         if missing:
             raise ValueError(f"Cluster dict lacks {sorted(missing)}")
         values = dict(data)
@@ -500,6 +528,7 @@ class Cluster:
             }
         values["params"] = CostParams.from_dict(data.get("params") or {})
         values["fit_coverage"] = data.get("fit_coverage")
+        values["host_share"] = HostShare(**data["host_share"]) if data.get("host_share") else None
         if data["collective_fits"] is not None:
             values["collective_fits"] = {
                 k: CollectiveFit(**v) for k, v in data["collective_fits"].items()

@@ -61,7 +61,7 @@ from cost.terms.context_parallel import cp_exposed
 from cost.terms.data_parallel import dp_comm
 from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
-from cost.terms.pipeline_parallel import p2p_time, pipeline_time
+from cost.terms.pipeline_parallel import p2p_time, pipeline_time, shared_host_factor
 from cost.terms.recompute import (
     activation_memory,
     choose_auto,
@@ -240,6 +240,8 @@ def predict(
     host = host_overhead_per_stage(facts, cluster, lay)
     choice = recompute_choice(facts, cluster, lay)
     recomp = rerun_per_stage(node_stages(facts, cluster, lay), times, columns(facts, choice).rerun, pp)
+    shared = shared_host_factor(cluster, lay)  # CPU ranks: the bubble's idle cores help
+    fwd, bwd, host, recomp = fwd * shared, bwd * shared, host * shared, recomp * shared
     if choice.mode != "none":  # and the SP gathers the recomputed values start from
         recomp = recomp + sp_regather(facts, cluster, lay, scale, n_layers, pp)
     tp_comm, tp_hidden_fwd, tp_hidden_bwd = tp_comm_terms(facts, cluster, lay, times, scale,

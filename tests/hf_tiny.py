@@ -58,10 +58,16 @@ class CausalLM(nn.Module):
         return out if self.output else out.loss
 
 
-def build(family: str, seed: int = 0, output: bool = False) -> CausalLM:
-    """A tiny causal LM of ``family`` with seeded random weights, in training mode."""
+def build(family: str, seed: int = 0, output: bool = False, layers: int | None = None) -> CausalLM:
+    """A tiny causal LM of ``family`` with seeded random weights, in training mode (2 layers
+    unless ``layers`` says otherwise)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_configs()[family]())
+    config = _configs()[family]()
+    if layers is not None:
+        config.num_hidden_layers = layers  # GPT-2's n_layer is an alias of it
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = [config.layer_types[0]] * layers
+    model = transformers.AutoModelForCausalLM.from_config(config)
     return CausalLM(model, output=output).train()
 
 

@@ -1,5 +1,5 @@
-"""Measure this machine for the cost model: matmul FLOP/s, memory bandwidth, per-op floor, and
-collective latency / bus bandwidth over local gloo ranks.
+"""Measure this machine for the cost model: matmul FLOP/s, memory bandwidth, per-op floor,
+collective latency / bus bandwidth over local gloo ranks, and a pipeline transfer's overhead.
 
 ``calibrate()`` writes one JSON file (``$AUTOPAR_CALIBRATION`` or
 ``~/.cache/autopar/calibration.json``) that ``cost.Cluster.local()`` reads. Its top-level format
@@ -10,6 +10,7 @@ is a contract with that reader and must not change shape::
      "memory_bw": bytes/s, "kernel_floor_s": s,
      "collectives": {kind: {"latency_s": s, "busbw": bytes/s}
                      for kind in all_reduce, all_gather, reduce_scatter, all_to_all, send_recv},
+     "pipeline": {"overhead_s": s},   # per stage-to-stage transfer beyond send/recv (optional)
      "raw": {... every individual measurement ...}}
 
 Collective times follow the nccl-tests conventions so the numbers are comparable with the
@@ -281,6 +282,106 @@ def _measure_collectives(
     return fitted, raw
 
 
+# --- pipeline transfers (run on spawned gloo ranks) -------------------------------------------
+
+_PIPE_ROWS, _PIPE_WIDTH = 64, 1024  # one micro-batch's activation: 256 KiB of fp32
+
+
+class _Matmul(torch.autograd.Function):
+    """y = x @ w, adding the seconds of its forward and backward to ``busy[0]``."""
+
+    @staticmethod
+    def forward(ctx, x, w, busy):
+        t0 = time.perf_counter()
+        ctx.save_for_backward(x, w)
+        ctx.busy = busy
+        y = x @ w
+        busy[0] += time.perf_counter() - t0
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        t0 = time.perf_counter()
+        x, w = ctx.saved_tensors
+        out = grad @ w.t(), x.t() @ grad, None
+        ctx.busy[0] += time.perf_counter() - t0
+        return out
+
+
+class _Stage(torch.nn.Module):
+    """A stage that computes about as long per micro-batch as a small model's block does."""
+
+    def __init__(self, busy: list[float]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(_PIPE_WIDTH, _PIPE_WIDTH) / _PIPE_WIDTH**0.5)
+        self.busy = busy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Matmul.apply(x, self.w, self.busy)
+
+
+def _pipeline_worker(rank: int, world_size: int, microbatches: int, warmup: int,
+                     repeats: int) -> list[tuple[float, float]]:
+    """(step seconds, seconds in the stage's own compute) per 1F1B step of ``world_size``
+    stages, one per rank, on PyTorch's pipelining runtime (the one autopar's pipelines run on)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(rank)
+    busy = [0.0]
+    example = torch.zeros(_PIPE_ROWS, _PIPE_WIDTH)
+    # the metadata says what needs a gradient: every activation after the first stage's input
+    received = example.clone().requires_grad_(rank > 0)
+    sent = example.clone().requires_grad_(True)
+    stage = PipelineStage(_Stage(busy), rank, world_size, torch.device("cpu"), input_args=(received,),
+                          output_args=(sent,))
+    schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, target: out.mean())
+    x = torch.randn(_PIPE_ROWS * microbatches, _PIPE_WIDTH)
+    times = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        busy[0] = 0.0
+        t0 = time.perf_counter()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world_size - 1:
+            schedule.step(target=x, losses=[])
+        else:
+            schedule.step()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0, busy[0]))
+    dist.barrier()
+    return times
+
+
+def _measure_pipeline(n: int, quick: bool, send_recv: dict[str, float],
+                      say: Callable[[str], None]) -> tuple[float, dict]:
+    """Seconds per stage-to-stage transfer beyond the raw send/recv, on loaded ranks.
+
+    The cost model prices a 1F1B step of m micro-batches on p stages as (m + p - 1) slots of
+    (stage compute t + 2 transfers) (`cost.pipeline.pipeline_step_time`), so the first stage's
+    time outside its compute is (p - 1) t + 2 (m + p - 1) transfers. Measured with stages that
+    compute like a small model's (a 64 x 1024 x 1024 matmul), as the pipeline runs: gloo,
+    PyTorch's schedule bookkeeping, and on a host with fewer cores than ranks, the wait for a
+    descheduled peer at every hand-off. Less the fitted send/recv of its bytes, the rest is
+    `CostParams.p2p_overhead_s`.
+    """
+    microbatches = 2 * n
+    warmup, repeats = (1, 3) if quick else (2, 7)
+    per_rank = spawn(_pipeline_worker, n, args=(microbatches, warmup, repeats),
+                     timeout_s=60.0 if quick else 180.0)
+    step, busy = (statistics.median(v) for v in zip(*per_rank[0]))  # the first stage, as bench runtime
+    idle = step - busy
+    transfer = max(0.0, idle - (n - 1) * busy / microbatches) / (2 * (microbatches + n - 1))
+    nbytes = _PIPE_ROWS * _PIPE_WIDTH * 4
+    raw_send = send_recv["latency_s"] + nbytes / send_recv["busbw"]
+    overhead = max(0.0, transfer - raw_send)
+    say(f"pipeline x{n} (1F1B, {microbatches} micro-batches of {nbytes // _KB} KiB): "
+        f"{transfer * 1e3:.2f} ms per transfer, {overhead * 1e3:.2f} ms beyond send/recv")
+    return overhead, {"step_s": step, "busy_s": busy, "microbatches": microbatches, "bytes": nbytes,
+                      "transfer_s": transfer, "send_recv_s": raw_send, "repeats": repeats}
+
+
 # --- entry points ---------------------------------------------------------------------------
 
 
@@ -320,6 +421,7 @@ def calibrate(
     memory_bw, memory_raw = _measure_memory_bw(quick, say)
     floor, floor_raw = _measure_kernel_floor(quick, say)
     collectives, coll_raw = _measure_collectives(n, quick, say)
+    pipe_overhead, pipe_raw = _measure_pipeline(n, quick, collectives["send_recv"], say)
 
     data: dict[str, Any] = {
         "version": CALIBRATION_VERSION,
@@ -331,6 +433,7 @@ def calibrate(
         "memory_bw": memory_bw,
         "kernel_floor_s": floor,
         "collectives": collectives,
+        "pipeline": {"overhead_s": pipe_overhead},
         "raw": {
             "quick": quick,
             "threads": {
@@ -343,6 +446,7 @@ def calibrate(
             "memory_bw": memory_raw,
             "kernel_floor": floor_raw,
             "collectives": coll_raw,
+            "pipeline": pipe_raw,
             "wall_s": time.perf_counter() - start,
         },
     }
@@ -400,4 +504,7 @@ def format_calibration(data: dict[str, Any]) -> str:
     lines.append(f"{header:<24}{'latency':>14}{'busbw':>14}")
     for kind, c in data.get("collectives", {}).items():
         lines.append(f"  {kind:<22}{_seconds(c['latency_s']):>14}{_si(c['busbw'], 'B/s'):>14}")
+    if "pipeline" in data:
+        lines.append(f"  {'pipeline transfer':<22}{_seconds(data['pipeline']['overhead_s']):>14}"
+                     "  beyond send/recv")
     return "\n".join(lines)

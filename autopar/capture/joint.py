@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.errors import CaptureError, locate_user_frame
+from autopar.errors import CaptureError, InputError, locate_user_frame
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class TrainingGraph:
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> canonical name
     capture_time_s: float = 0.0
     preflight_time_s: float = 0.0
+    capture_note: str = ""  # how a stack of blocks was traced (autopar.capture.repeat)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -192,6 +193,7 @@ def capture(
     loss_fn: Callable | None = None,
     via_export: bool = False,
     dtype: torch.dtype | None = None,
+    repeat_blocks: bool = True,
 ) -> TrainingGraph:
     """Capture ``loss = model(*example_inputs); loss.backward()`` as a joint aten graph.
 
@@ -202,8 +204,21 @@ def capture(
     be traced, and `InputError` for example inputs that do not fit the model.
     ``dtype`` captures with every floating parameter and buffer in that dtype (planning a bf16
     step of a model built in fp32), without touching the model.
+    ``repeat_blocks`` traces a deep stack of alike blocks with four of them and writes the
+    others from the middle one (`autopar.capture.repeat`: the same graph, several times
+    faster); the whole model is traced where the blocks do not repeat exactly.
     """
+    from autopar.capture.repeat import capture_repeated
     from autopar.capture.validate import validate_inputs
+
+    note = ""
+    if repeat_blocks and not via_export:
+        try:
+            graph, note = capture_repeated(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
+        except (CaptureError, InputError):
+            graph = None  # the full trace below reports it with the model's own names
+        if graph is not None:
+            return graph
 
     example_inputs = tuple(example_inputs)
     validate_inputs(model, example_inputs, loss_fn)
@@ -255,6 +270,7 @@ def capture(
         aliases=aliases,
         capture_time_s=time.perf_counter() - t0,
         preflight_time_s=t_preflight,
+        capture_note=note,
     )
 
 

@@ -77,6 +77,9 @@ def plan(
     # CPU ranks run eager PyTorch, one kernel per op; GPU plans assume fused element-wise kernels
     fused = not cluster.gpu.is_cpu
     step = captured_step(model, example_inputs, loss_fn, dtype, fused=fused)
+    if progress:
+        note = f": {step.graph.capture_note}" if step.graph.capture_note else ""
+        progress(f"  captured in {time.perf_counter() - t0:.1f} s{note}")
     fingerprint = model_fingerprint(model)
     name = getattr(getattr(model, "config", None), "name", type(model).__name__)
     if layout is not None:

@@ -104,12 +104,15 @@ def candidate_layouts(
                                 continue
 
 
-# Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs): ranks
-# share the host's cores, so a stage's bubble is no idle time (the others run faster then) and
-# the pipeline runtime's per-micro-batch host overhead is not calibrated there. Measured with
-# `python -m autopar bench runtime` (4 gloo ranks on the 2-core dev box, 2026-12-02): PP4 1F1B
-# predicted 393 ms, ran 330; the solver's dp2 pp2 zero-bubble mb1 ga8, predicted 262 ms (1 ms
-# ahead of DP), ran 412 ms against DP's 320; Spearman over the layouts fell from 0.99 to 0.23.
+# Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs). The
+# price now lends a bubble's idle cores to the busy ranks (`shared_host_factor`) and charges each
+# transfer the overhead `autopar calibrate` measures on loaded ranks (~2.5 ms here, OS hand-offs
+# between ranks that share cores), but the runtime's idle is still under-predicted: `python -m
+# autopar bench runtime` (4 gloo ranks, 2-core dev box, 2026-12-02): PP4 1F1B ran 456 ms,
+# predicted 420 (idle 206 vs 150); PP2 x DP2 452 / 341 (idle 144 vs 91). With pipelines searched
+# the solver picks dp2 pp2 zero1 zero-bubble mb4 ga2, predicted 328 ms against DP/ZeRO-1's 331:
+# too close a call for a price that is this far off (a zero-bubble layout ran 412 ms against
+# DP's 320 in an earlier session).
 
 
 def search(

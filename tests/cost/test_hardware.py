@@ -133,6 +133,43 @@ def test_local_ranks_share_the_cores(tmp_path, monkeypatch):
     # the fits are re-expressed at 4 ranks: an all-reduce ring has 6 steps there, 2 at 2 ranks
     assert four.collective_fits["all_reduce"].latency_s == pytest.approx(3e-3)
     assert two.collective_fits["all_reduce"].latency_s == pytest.approx(1e-3)
+    # with half the ranks busy (a pipeline's bubble) each busy one gets a whole core again
+    assert four.host_share.busy_speedup(4, 0.5) == pytest.approx(2.0)
+    assert four.host_share.busy_speedup(4, 1.0) == pytest.approx(1.0)
+    assert four.host_share.busy_speedup(4, 0.25) == pytest.approx(2.0)  # one thread per rank
+    assert Cluster.from_dict(four.to_dict()).host_share == four.host_share
+    assert four.params.p2p_overhead_s == 0.0  # the file has no pipeline measurement
+
+
+def test_local_pipelines_priced_as_they_run(tmp_path, monkeypatch):
+    """Local ranks: a pipeline's stages compute faster than with every rank busy, and each
+    transfer pays the calibrated overhead."""
+    from autopar import models
+    from autopar.search.step import captured_step
+    from cost import Layout
+    from cost.step import predict
+
+    data = {
+        "version": 1, "world_size": 4, "matmul_flops": {"fp32": 2e11}, "memory_bw": 2e10,
+        "kernel_floor_s": 2e-6, "collectives": {"send_recv": {"latency_s": 1e-4, "busbw": 1e9}},
+        "pipeline": {"overhead_s": 3e-3},
+        "raw": {"threads": {"intra_op": 2, "cpu_count": 2}},
+    }
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(save_calibration(data, tmp_path / "cal.json")))
+    four = Cluster.local()
+    assert four.params.p2p_overhead_s == 3e-3
+    batch = models.example_inputs("tiny-llama", batch=8, seq=16, device="meta")
+    facts = captured_step(models.build("tiny-llama", device="meta"), batch, None, None, fused=False).facts()
+    lay = Layout(pp=2, dp=2, microbatch=1, grad_accum=4, precision="fp32")
+    shared = predict(facts, four, lay)
+    alone = Cluster.local()
+    alone.host_share = None  # as if each rank had its own core budget
+    plain = predict(facts, alone, lay)
+    # 1F1B, 2 stages, 4 micro-batches: 4 of 5 slots busy, so 2 ranks of 4 busy on 2 cores
+    # get 2 / (4 * 0.8) = 0.625 of a core each instead of 0.5
+    assert shared.time_breakdown["compute_s"] == pytest.approx(plain.time_breakdown["compute_s"] * 0.8)
+    # two transfers per micro-batch, each 3 ms beyond its bytes
+    assert shared.time_breakdown["pp_p2p_s"] >= 4 * 2 * 3e-3
 
 
 def test_calibration_rejects_bad_files(tmp_path):

@@ -84,6 +84,30 @@ def test_tp_sp_and_dp_x_tp_match_one_device(world):
     assert results == [[]] * world
 
 
+def _deep_worker(rank: int, world: int) -> list[tuple]:
+    """A 6-block model: its graph is captured from four blocks (autopar.capture.repeat)."""
+    import dataclasses
+
+    import autopar
+    from autopar import models
+
+    cfg = dataclasses.replace(models.config("tiny-llama"), n_layers=6)
+    failures = []
+    for degrees in ({"dp": world, "zero": 3}, {"tp": world, "sp": True}):
+        model = models.build(cfg, seed=3)
+        ref = copy.deepcopy(model)
+        batch = models.example_inputs(cfg, batch=8, seq=16)
+        pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
+        label = ("tiny-llama x6", pm.plan.layout.short())
+        failures += _contract(pm, label)
+        failures += _train_and_compare(pm, ref, batch, label)
+    return failures
+
+
+def test_deep_stack_matches_one_device():
+    assert spawn(_deep_worker, 2, timeout_s=600) == [[], []]
+
+
 def _errors_worker(rank: int, world: int) -> list[str]:
     import autopar
     from autopar import models

@@ -33,6 +33,7 @@ def test_quick_calibration_writes_complete_json(tmp_path: Path) -> None:
         "memory_bw",
         "kernel_floor_s",
         "collectives",
+        "pipeline",
         "raw",
     }
     assert loaded["version"] == 1
@@ -58,9 +59,14 @@ def test_quick_calibration_writes_complete_json(tmp_path: Path) -> None:
     assert raw["collectives"]["send_recv"]["factor"] == 1.0
     assert any(line.startswith("matmul fp32") for line in lines)
     assert any(line.startswith("all_reduce") for line in lines)
+    # a 2-stage 1F1B pipeline: each transfer costs something, and not seconds
+    assert 0.0 <= loaded["pipeline"]["overhead_s"] < 0.1
+    assert raw["pipeline"]["transfer_s"] >= raw["pipeline"]["send_recv_s"] or loaded["pipeline"]["overhead_s"] == 0
+    assert 0 < raw["pipeline"]["busy_s"] < raw["pipeline"]["step_s"]
+    assert any(line.startswith("pipeline x2") for line in lines)
 
     table = cal.format_calibration(loaded)
-    for word in ("matmul fp32", "memory bandwidth", "kernel floor", *cal.COLLECTIVES):
+    for word in ("matmul fp32", "memory bandwidth", "kernel floor", "pipeline transfer", *cal.COLLECTIVES):
         assert word in table
 
 

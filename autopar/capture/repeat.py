@@ -1,0 +1,449 @@
+"""Capture a deep stack of identical blocks by tracing four of them and repeating one.
+
+Tracing is the slow part of planning (about 0.2 s per llama3-8b block on 2 cores), and a
+transformer is one block repeated L times. So when the model holds a `ModuleList` (or
+`Sequential`) of L >= 5 blocks that are alike (same class, same parameter and buffer shapes,
+same attributes but their index), `capture_repeated` traces the model with four of them,
+blocks [0, 1, 2, L-1], and writes the joint graph of the whole stack from it:
+
+    forward   F_0 F_1 F_2 F_3          ->  F_0 F_1 ... F_{L-2} F_{L-1}
+    backward  B_3 B_2 B_1 B_0          ->  B_{L-1} B_{L-2} ... B_1 B_0
+
+Block 2 is the template of the middle blocks 1..L-2: each copy reads its own parameters, the
+previous copy's values where block 2 read block 1's, the next copy's where it read block 3's
+(the gradient flowing back), and the values outside the stack (rotary tables, masks) as they
+are. Blocks 0 and L-1 keep their own nodes, the first and last block often differ a little.
+
+It is exact, not an approximation: the result is the graph a full trace gives, node for node
+(ops, shapes, module labels, autograd sequence numbers; tests compare them on the zoo and the
+transformers families). Anything that would break that is checked on the traced graph, and
+the caller traces the whole model instead (`NotRepeatable`): blocks 1 and 2 not traced alike,
+a value outside the stack that reads a middle block (an auxiliary loss summed over layers),
+a parameter tied across blocks, nodes of two middle blocks interleaved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import fx, nn
+
+from autopar.capture.joint import GraphInput, GraphOutput, TrainingGraph
+
+MIN_BLOCKS = 5  # below this a full trace costs about the same
+_TRACED = 4  # blocks traced: the first, two middle ones (template and its check), the last
+
+
+class NotRepeatable(Exception):
+    """The traced blocks do not repeat exactly; trace the whole model instead."""
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """A list of alike blocks: its qualified name in the model and its length."""
+
+    path: str
+    count: int
+
+    def index(self, name: str) -> int | None:
+        """The block a qualified module or parameter name lies in (None: outside the stack)."""
+        prefix = self.path + "."
+        if not name.startswith(prefix):
+            return None
+        head = name[len(prefix):].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def encloses(self, name: str) -> bool:
+        """``name`` is the model, the list itself or a module whose forward runs the stack."""
+        return name in ("", self.path) or self.path.startswith(name + ".")
+
+    def rename(self, name: str, block: int) -> str:
+        """``name`` inside block ``i`` renamed to the same place in ``block``."""
+        prefix = self.path + "."
+        head, _, rest = name[len(prefix):].partition(".")
+        return f"{prefix}{block}" + (f".{rest}" if rest else "")
+
+
+def find_stack(model: nn.Module) -> BlockStack | None:
+    """The model's longest list of at least `MIN_BLOCKS` alike blocks, or None."""
+    best: BlockStack | None = None
+    for path, module in model.named_modules():
+        if type(module) not in (nn.ModuleList, nn.Sequential) or len(module) < MIN_BLOCKS:
+            continue
+        if best is not None and len(module) <= best.count:
+            continue
+        blocks = list(module)
+        if all(_alike(blocks[1], blocks[i], 1, i) for i in range(2, len(blocks) - 1)) and \
+                _same_tensors(blocks[0], blocks[1]) and _same_tensors(blocks[-1], blocks[1]):
+            best = BlockStack(path, len(blocks))
+    return best
+
+
+def _same_tensors(a: nn.Module, b: nn.Module) -> bool:
+    """Same class, and parameters and buffers of the same names, shapes, dtypes."""
+    def sig(m):
+        return ([(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters()],
+                [(n, tuple(t.shape), t.dtype) for n, t in m.named_buffers()])
+    return type(a) is type(b) and sig(a) == sig(b)
+
+
+def _alike(a: nn.Module, b: nn.Module, ia: int, ib: int) -> bool:
+    """Blocks ``a`` (index ia) and ``b`` (index ib) trace alike: same tensors, and every plain
+    attribute of every submodule equal, but those that hold the block's own index."""
+    if not _same_tensors(a, b):
+        return False
+    subs_a, subs_b = list(a.named_modules()), list(b.named_modules())
+    if [n for n, _ in subs_a] != [n for n, _ in subs_b]:
+        return False
+    for (_, ma), (_, mb) in zip(subs_a, subs_b):
+        if type(ma) is not type(mb) or ma.training != mb.training:
+            return False
+        va = {k: v for k, v in vars(ma).items() if not k.startswith("_") and k != "training"}
+        vb = {k: v for k, v in vars(mb).items() if not k.startswith("_") and k != "training"}
+        if va.keys() != vb.keys():
+            return False
+        for key, x in va.items():
+            y = vb[key]
+            if x is y or (type(x) is int and type(y) is int and (x, y) == (ia, ib)):
+                continue  # the same object, or the block's index (HF's layer_idx)
+            if not _equal(x, y):
+                return False
+    return True
+
+
+def _equal(x, y) -> bool:
+    """Plain attribute values equal (a functools.partial by what it calls: Gemma's activation)."""
+    if isinstance(x, functools.partial) and isinstance(y, functools.partial):
+        return x.func is y.func and _equal(x.args, y.args) and _equal(x.keywords, y.keywords)
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return x is y
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def traced_blocks(model: nn.Module, stack: BlockStack) -> Iterator[None]:
+    """Temporarily hold only blocks [0, 1, 2, L-1] in the model's list (restored after)."""
+    parent_path, _, name = stack.path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    full = parent._modules[name]
+    blocks = list(full)
+    short = type(full)(*[blocks[0], blocks[1], blocks[2], blocks[-1]]) if isinstance(full, nn.Sequential) \
+        else nn.ModuleList([blocks[0], blocks[1], blocks[2], blocks[-1]])
+    parent._modules[name] = short
+    try:
+        yield
+    finally:
+        parent._modules[name] = full
+
+
+def capture_repeated(model: nn.Module, example_inputs, loss_fn=None,
+                     dtype=None) -> tuple[TrainingGraph | None, str]:
+    """The joint graph of ``model``'s step traced with four blocks of its stack and the middle
+    block repeated, and a line saying so; (None, why) when the model has no such stack or its
+    blocks do not repeat (the caller traces it whole)."""
+    from autopar.capture.joint import capture
+
+    stack = find_stack(model)
+    if stack is None:
+        return None, ""
+    t0 = time.perf_counter()
+    with traced_blocks(model, stack):
+        small = capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype, repeat_blocks=False)
+    try:
+        graph = expand(small, stack)
+    except NotRepeatable as exc:
+        return None, f"traced all {stack.count} blocks of {stack.path} (they do not repeat exactly: {exc})"
+    note = f"traced {_TRACED} of the {stack.count} blocks of {stack.path}; the others repeat block 2"
+    return replace(graph, capture_time_s=time.perf_counter() - t0, capture_note=note), note
+
+
+def _val_sig(node: fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.dtype, tuple(val.stride()))
+    if isinstance(val, (list, tuple)):
+        return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in val)
+    return repr(val)
+
+
+def expand(small: TrainingGraph, stack: BlockStack) -> TrainingGraph:
+    """The graph of ``small`` (traced with blocks [0, 1, 2, L-1] as 0..3) with blocks 1..L-2.
+
+    Raises `NotRepeatable` when blocks 1 and 2 were not traced alike or the stack's nodes
+    are not laid out as a repeat of them (see the module docstring).
+    """
+    L = stack.count
+    gm = small.gm
+    nodes = list(gm.graph.nodes)
+    spec = {i.node: i for i in small.inputs}
+    if any(stack.index(a) is not None or stack.index(c) is not None for a, c in small.aliases.items()):
+        raise NotRepeatable("a tensor tied across blocks")
+
+    # Which traced block each node belongs to: its module label; placeholders by their tensor;
+    # unlabelled nodes (autograd's gradient sums, code in the parent's forward) by their inputs.
+    block: dict[fx.Node, int | None] = {}
+    for n in nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            s = spec.get(n.name)
+            block[n] = stack.index(s.name) if s is not None and s.kind in ("param", "buffer") else None
+            continue
+        label = n.meta.get("module", "")
+        if stack.index(label) is not None:
+            block[n] = stack.index(label)
+        elif not stack.encloses(label):
+            block[n] = None  # a module outside the stack: the embedding, the head, the loss
+        else:
+            # The code of a module around the stack: by its inputs (the parent's code between
+            # blocks; autograd's gradient sums, which carry a sequence number of the parent). The sum of the residual stream's
+            # gradient reads block b+1's part and block b's: it is block b's backward (and a
+            # forward join is the later block's).
+            found = sorted({block[a] for a in n.all_input_nodes if block.get(a) is not None})
+            if len(found) > 2 or (len(found) == 2 and found[1] - found[0] != 1):
+                raise NotRepeatable(f"{n.name} reads blocks {found}")
+            backward = n.meta.get("partitioner_tag") == "is_backward"
+            block[n] = (found[0] if backward else found[-1]) if found else None
+    members: dict[int, list[fx.Node]] = {b: [] for b in range(_TRACED)}
+    for n in nodes:
+        if n.op not in ("placeholder", "output") and block[n] is not None:
+            members[block[n]].append(n)
+    pos = {n: i for b in members for i, n in enumerate(members[b])}
+    suffix = {n: spec[n.name].name.split(".", len(stack.path.split(".")) + 1)[-1]
+              for n in nodes if n.op == "placeholder" and block[n] is not None}
+
+    def role(a: fx.Node, b: int):
+        ab = block.get(a)
+        if ab is None:
+            return ("outside", a)
+        if a.op == "placeholder":
+            if ab != b:
+                raise NotRepeatable(f"block {b} reads block {ab}'s tensor {a.name}")
+            return ("tensor", suffix[a])
+        if ab - b not in (-1, 0, 1):
+            raise NotRepeatable(f"block {b} reads block {ab}")
+        return (ab - b, pos[a])
+
+    def signature(n: fx.Node, b: int):
+        roles = []
+        fx.node.map_arg((n.args, n.kwargs), lambda a: roles.append(role(a, b)) or a)
+        label = n.meta.get("module", "")
+        return (n.op, n.target, _val_sig(n), n.meta.get("partitioner_tag"), tuple(roles),
+                stack.rename(label, 0) if stack.index(label) is not None else label,
+                _plain_args((n.args, n.kwargs)))
+
+    one, two = members[1], members[2]
+    if len(one) != len(two) or not two:
+        raise NotRepeatable("blocks 1 and 2 traced to different node counts")
+    for x, y in zip(one, two):
+        if signature(x, 1) != signature(y, 2):
+            raise NotRepeatable(f"{x.name} and {y.name} (blocks 1 and 2) differ")
+    # Autograd sequence numbers: the middle blocks' own repeat with a step; the others (the
+    # gradient sums carry the loss's) are equal in both and shift with the blocks after them.
+    own = [[n.meta["seq_nr"] for n in m if "seq_nr" in n.meta and n.meta.get("partitioner_tag") != "is_backward"]
+           for m in (one, two)]
+    if not own[0] or not own[1]:
+        raise NotRepeatable("the middle blocks have no forward nodes")
+    lo1, hi1, lo2, seq_end = min(own[0]), max(own[0]), min(own[1]), max(own[1])
+    seq_step = lo2 - lo1
+    if seq_end - hi1 != seq_step or lo2 <= hi1:
+        raise NotRepeatable("sequence numbers do not repeat")
+    for x, y in zip(one, two):
+        sx, sy = x.meta.get("seq_nr"), y.meta.get("seq_nr")
+        if (sx is None) != (sy is None):
+            raise NotRepeatable("sequence numbers differ")
+        if sx is not None and not (sy - sx == seq_step and lo1 <= sx <= hi1) and \
+                not (sx == sy and (sx > seq_end or sx < lo1)):
+            raise NotRepeatable(f"sequence numbers of {x.name} and {y.name} do not repeat")
+    for n in nodes:  # only neighbours and the output read the middle blocks
+        if n.op == "output" or block.get(n) in (1, 2):
+            continue
+        for a in n.all_input_nodes:
+            if block.get(a) in (1, 2) and a.op != "placeholder":
+                if (block[n], block[a]) not in ((0, 1), (3, 2)):
+                    raise NotRepeatable(f"{n.name} (outside the middle blocks) reads {a.name}")
+    extra = L - _TRACED
+
+    # Write the long graph: (traced node, copy) -> new node; copy None for nodes kept as they are.
+    new = fx.Graph()
+    env: dict[tuple[fx.Node, int | None], fx.Node] = {}
+    tensor_of: dict[tuple[int, str], fx.Node] = {}  # (block, suffix) -> new placeholder
+    new_inputs: list[GraphInput] = []
+
+    def instance_of(b: int) -> int:
+        return {0: 0, 3: L - 1}[b]
+
+    def fix_meta(node: fx.Node, src: fx.Node, copy: int | None) -> None:
+        node.meta = dict(src.meta)
+        label = node.meta.get("module", "")
+        b = block.get(src)
+        if stack.index(label) is not None:
+            node.meta["module"] = stack.rename(label, copy if copy is not None else instance_of(b))
+        seq = node.meta.get("seq_nr")
+        if seq is not None:
+            if copy is not None and lo2 <= seq <= seq_end:
+                node.meta["seq_nr"] = seq + (copy - 2) * seq_step
+            elif seq > seq_end:
+                node.meta["seq_nr"] = seq + extra * seq_step
+
+    def number(n: fx.Node) -> int:
+        return int(n.name.removeprefix("primals_")) if n.name.startswith("primals_") else 0
+
+    tensors1 = [n for n in nodes if n.op == "placeholder" and block[n] == 1]
+    tensors2 = [n for n in nodes if n.op == "placeholder" and block[n] == 2]
+    first_primal = min((number(n) for n in tensors1), default=0)
+    last_primal = max((number(n) for n in tensors1 + tensors2), default=0)
+
+    def placeholder(src: fx.Node, copy: int | None) -> None:
+        # AOTAutograd numbers the placeholders primals_1.. in order (tied ones leave gaps)
+        name = src.name
+        if copy is not None:
+            name = f"primals_{first_primal + (copy - 1) * len(tensors2) + tensors2.index(src)}"
+        elif number(src) > last_primal:
+            name = f"primals_{number(src) + extra * len(tensors2)}"
+        node = new.placeholder(name)
+        fix_meta(node, src, copy)
+        s = spec.get(src.name)
+        if s is not None:
+            b = block[src]
+            tensor = s.name if b is None else stack.rename(s.name, copy if copy is not None else instance_of(b))
+            new_inputs.append(GraphInput(node.name, s.kind, tensor))
+            if b is not None:
+                tensor_of[(copy if copy is not None else instance_of(b), suffix[src])] = node
+        env[(src, copy)] = node
+
+    def arg_of(a: fx.Node, b: int | None, copy: int | None) -> fx.Node:
+        """The new node an input ``a`` of a node of block ``b`` (this ``copy``) stands for."""
+        ab = block.get(a)
+        if copy is None:  # a kept node: block 0 reads copy 1's values, block 3 copy L-2's
+            if ab in (1, 2) and a.op != "placeholder":
+                return env[(two[pos[a]], 1 if ab == 1 else L - 2)]
+            return env[(a, None)]
+        if ab is None:
+            return env[(a, None)]
+        if a.op == "placeholder":
+            return tensor_of[(copy, suffix[a])]
+        other = copy + (ab - b)
+        if other == 0:
+            return env[(members[0][pos[a]], None)]
+        if other == L - 1:
+            return env[(members[3][pos[a]], None)]
+        return env[(two[pos[a]], other)]
+
+    def emit(src: fx.Node, copy: int | None) -> None:
+        b = block.get(src)
+        args = fx.node.map_arg(src.args, lambda a: arg_of(a, b if copy is not None else None, copy))
+        kwargs = fx.node.map_arg(src.kwargs, lambda a: arg_of(a, b if copy is not None else None, copy))
+        # the tracer's names: the op's name, numbered in order of appearance
+        node = new.create_node(src.op, src.target, args, kwargs, name=re.sub(r"_\d+$", "", src.name))
+        fix_meta(node, src, copy)
+        env[(src, copy)] = node
+
+    # placeholders: the middle blocks' tensors where block 1's were traced
+    for n in nodes:
+        if n.op != "placeholder":
+            continue
+        if block[n] == 1:
+            continue
+        if block[n] == 2:
+            if not any(block[m] == 2 for m in nodes[:nodes.index(n)] if m.op == "placeholder"):
+                for copy in range(1, L - 1):
+                    for m in nodes:
+                        if m.op == "placeholder" and block[m] == 2:
+                            placeholder(m, copy)
+            continue
+        placeholder(n, None)
+
+    # the body: each run of middle-block nodes is block 1 then block 2 (forward) or 2 then 1
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    i = 0
+    while i < len(body):
+        n = body[i]
+        if block[n] not in (1, 2):
+            emit(n, None)
+            i += 1
+            continue
+        j = i
+        while j < len(body) and block[body[j]] in (1, 2):
+            j += 1
+        run = body[i:j]
+        firsts = [m for m in run if block[m] == block[run[0]]]
+        seconds = run[len(firsts):]
+        if [pos[m] for m in firsts] != [pos[m] for m in seconds] or any(block[m] == block[run[0]] for m in seconds):
+            raise NotRepeatable(f"the middle blocks' nodes from {run[0].name} are interleaved")
+        copies = range(1, L - 1) if block[run[0]] == 1 else range(L - 2, 0, -1)
+        for copy in copies:
+            for m in firsts:
+                emit(two[pos[m]], copy)
+        i = j
+
+    # the output: the middle blocks' gradients (and buffers) where block 1's were, in block order
+    out_node = nodes[-1]
+    by_index = {o.index: o for o in small.outputs}
+    middle = [o for o in small.outputs if o.kind in ("grad", "buffer") and stack.index(o.name) in (1, 2)]
+    firsts = {}
+    for o in middle:
+        firsts.setdefault(o.kind, o)
+    values, new_outputs = [], []
+    for index, value in enumerate(out_node.args[0]):
+        o = by_index.get(index)
+        b = stack.index(o.name) if o is not None and o.kind in ("grad", "buffer") else None
+        if b in (1, 2):
+            if o is firsts[o.kind]:
+                template = [x for x in middle if x.kind == o.kind and stack.index(x.name) == 2]
+                if len(template) * 2 != sum(x.kind == o.kind for x in middle):
+                    raise NotRepeatable(f"blocks 1 and 2 have different {o.kind} outputs")
+                for copy in range(1, L - 1):
+                    for x in template:
+                        v = out_node.args[0][x.index]
+                        new_outputs.append(GraphOutput(len(values), x.kind, stack.rename(x.name, copy)))
+                        values.append(None if v is None else env[(v, copy)])
+            continue
+        if isinstance(value, fx.Node) and block.get(value) in (1, 2):
+            raise NotRepeatable(f"output {index} is a value of a middle block")
+        if o is not None:
+            name = o.name if b is None else stack.rename(o.name, instance_of(b))
+            new_outputs.append(GraphOutput(len(values), o.kind, name))
+        values.append(fx.node.map_arg(value, lambda a: arg_of(a, None, None)))
+    out = new.output(type(out_node.args[0])(values))
+    out.meta = dict(out_node.meta)
+    out.meta.pop("desc", None)  # the traced graph's descriptors name four blocks
+
+    long = fx.GraphModule(gm, new)
+    shapes, dtypes = {}, {}
+    placeholders = {n.name: n for n in long.graph.nodes if n.op == "placeholder"}
+    for s in new_inputs:
+        if s.kind == "param":
+            val = placeholders[s.node].meta["val"]
+            shapes[s.name], dtypes[s.name] = tuple(int(d) for d in val.shape), val.dtype
+    return TrainingGraph(gm=long, inputs=new_inputs, outputs=new_outputs, param_shapes=shapes,
+                         param_dtypes=dtypes, aliases=dict(small.aliases),
+                         capture_time_s=small.capture_time_s, preflight_time_s=small.preflight_time_s)
+
+
+def _plain_args(tree) -> tuple:
+    """The non-node leaves of an argument tree (constants, dtypes, shapes), for comparing."""
+    leaves: list = []
+
+    def walk(x):
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for k in sorted(x):
+                leaves.append(k)
+                walk(x[k])
+        elif not isinstance(x, fx.Node):
+            leaves.append(repr(x))
+
+    walk(tree)
+    return tuple(leaves)
