@@ -7,20 +7,62 @@ before the blocks and the last the slot after. `balanced_cuts` finds the cut tha
 heaviest stage (exact, by dynamic programming over the blocks); `cost.terms.compute.slot_stages`
 weighs each slot by the step's own seconds for it under the layout, so a large vocabulary gives
 the last stage fewer blocks, as nanotron's pipeline engine splits by its blocks' compute costs.
-Among equally heavy cuts the even split is kept.
+Among equally heavy cuts the even split is kept. Under a memory budget (`StageMemory`) only cuts
+whose every stage fits are considered: 1F1B's first stage holds p micro-batches of activations,
+so a tight device moves blocks off it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """What a stage of blocks holds on one device, for cuts under the memory: model state
+    (``static``: weights, gradients, optimizer state) and one micro-batch's saved activations
+    (``act``) per block and for the slots before / after the blocks; each stage holds
+    ``flight[k]`` micro-batches of activations under the schedule and may use ``budget`` bytes
+    (the device less what every stage holds alike: reserve, communication buffers, the
+    backward's transient)."""
+
+    static: np.ndarray
+    act: np.ndarray
+    static_before: float
+    act_before: float
+    static_after: float
+    act_after: float
+    flight: Sequence[float]
+    budget: float
+
+    def stage_bytes(self, k: int, first: np.ndarray | int, end: np.ndarray | int, pp: int):
+        """Bytes of stage ``k`` (of ``pp``) holding blocks first..end-1 (arrays broadcast)."""
+        static = np.concatenate([[0.0], np.cumsum(self.static)])
+        act = np.concatenate([[0.0], np.cumsum(self.act)])
+        s = static[end] - static[first]
+        a = act[end] - act[first]
+        if k == 0:
+            s, a = s + self.static_before, a + self.act_before
+        if k == pp - 1:
+            s, a = s + self.static_after, a + self.act_after
+        return s + self.flight[k] * a
+
+    def fits(self, stages: np.ndarray, pp: int) -> bool:
+        """Whether every stage of the block -> stage map ``stages`` fits its budget."""
+        bounds = np.searchsorted(stages, np.arange(pp + 1))
+        return all(self.stage_bytes(k, int(bounds[k]), int(bounds[k + 1]), pp) <= self.budget
+                   for k in range(pp))
+
+
 def balanced_cuts(block_cost: np.ndarray, pp: int, before: float = 0.0,
-                  after: float = 0.0) -> np.ndarray:
+                  after: float = 0.0, memory: StageMemory | None = None) -> np.ndarray:
     """Stage of each block: the contiguous split into ``pp`` non-empty stages that minimises
-    the largest stage cost (``before`` counts on the first stage, ``after`` on the last)."""
+    the largest stage cost (``before`` counts on the first stage, ``after`` on the last),
+    among the splits whose every stage fits ``memory`` when given (the unconstrained split
+    when none does: the layout does not fit, whatever the cut)."""
     n = len(block_cost)
     if not 1 <= pp <= max(n, 1):
         raise ValueError(f"pp={pp} needs between 1 and {n} blocks per split")
@@ -30,31 +72,49 @@ def balanced_cuts(block_cost: np.ndarray, pp: int, before: float = 0.0,
     if pp == 1:
         return even
     prefix = np.concatenate([[0.0], np.cumsum(block_cost, dtype=float)])
-
-    inf = float("inf")
-    # best[k][j]: the least heaviest stage of blocks 0..j-1 split into k+1 stages
-    best = np.full((pp, n + 1), inf)
-    cut = np.zeros((pp, n + 1), dtype=int)
-    best[0][1:] = prefix[1:] + before + (after if pp == 1 else 0.0)
-    for k in range(1, pp):
-        extra = (after if k == pp - 1 else 0.0)
-        for j in range(k + 1, n + 1):
-            i = np.arange(k, j)  # the last stage's first block
-            value = np.maximum(best[k - 1][i], prefix[j] - prefix[i] + extra)
-            pick = int(np.argmin(value))
-            best[k][j], cut[k][j] = value[pick], i[pick]
+    found = _minimax_split(prefix, pp, before, after, memory)
+    if found is None:  # nothing fits the memory: the cut that balances time
+        return balanced_cuts(block_cost, pp, before, after)
+    out, heaviest = found
     stage_cost = np.bincount(even, weights=block_cost, minlength=pp)
     stage_cost[0] += before
     stage_cost[-1] += after
-    if stage_cost.max() <= best[pp - 1][n] * (1 + 1e-9):
+    if stage_cost.max() <= heaviest * (1 + 1e-9) and (memory is None or memory.fits(even, pp)):
         return even
+    return out
+
+
+def _minimax_split(prefix: np.ndarray, pp: int, before: float, after: float,
+                   memory: StageMemory | None) -> tuple[np.ndarray, float] | None:
+    """The dynamic program of `balanced_cuts`: (stage of each block, heaviest stage), or None
+    when no split fits ``memory``. best[k][j] is the least heaviest stage of blocks 0..j-1 in
+    k+1 stages, over the first block i of stage k: max(best[k-1][i], cost of i..j-1)."""
+    n = len(prefix) - 1
+    inf = float("inf")
+    first, end = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    span = prefix[None, :] - prefix[:, None]  # [i, j]: cost of blocks i..j-1
+
+    def fits(k: int) -> np.ndarray | bool:
+        return True if memory is None else memory.stage_bytes(k, first, end, pp) <= memory.budget
+
+    best = np.full((pp, n + 1), inf)
+    cut = np.zeros((pp, n + 1), dtype=int)
+    best[0] = np.where(fits(0) & (first == 0) & (end >= 1), span + before, inf)[0]
+    for k in range(1, pp):
+        extra = after if k == pp - 1 else 0.0
+        value = np.maximum(best[k - 1][:, None], span + extra)
+        value = np.where((first >= k) & (first < end) & fits(k), value, inf)
+        cut[k] = np.argmin(value, axis=0)  # the first i among equals, as a loop over i would
+        best[k] = value[cut[k], np.arange(n + 1)]
+    if not np.isfinite(best[pp - 1][n]):
+        return None
     out = np.zeros(n, dtype=int)
     j = n
     for k in range(pp - 1, 0, -1):
         i = cut[k][j]
         out[i:j] = k
         j = i
-    return out
+    return out, float(best[pp - 1][n])
 
 
 def effective_layers(nodes: Iterable[tuple[str, bool, int | None]], n_layers: int) -> dict[str, int]:

@@ -28,13 +28,13 @@ import contextlib
 import functools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
 from torch import fx, nn
 
-from autopar.capture.joint import GraphInput, GraphOutput, TrainingGraph
+from autopar.capture.graph import GraphInput, GraphOutput, TrainingGraph
 
 MIN_BLOCKS = 5  # below this a full trace costs about the same
 _TRACED = 4  # blocks traced: the first, two middle ones (template and its check), the last
@@ -145,23 +145,23 @@ def traced_blocks(model: nn.Module, stack: BlockStack) -> Iterator[None]:
         parent._modules[name] = full
 
 
-def capture_repeated(model: nn.Module, example_inputs, loss_fn=None,
-                     dtype=None) -> tuple[TrainingGraph | None, str]:
-    """The joint graph of ``model``'s step traced with four blocks of its stack and the middle
-    block repeated, and a line saying so; (None, why) when the model has no such stack or its
-    blocks do not repeat (the caller traces it whole)."""
-    from autopar.capture.joint import capture
-
+def capture_repeated(model: nn.Module, example_inputs, trace: Callable[..., TrainingGraph],
+                     loss_fn=None, dtype=None) -> tuple[TrainingGraph | None, str]:
+    """The joint graph of ``model``'s step traced (by ``trace``, the whole-model capture) with
+    four blocks of its stack and the middle block repeated, and a line saying so; (None, why)
+    when the model has no such stack or its blocks do not repeat (the caller traces it whole)."""
     stack = find_stack(model)
     if stack is None:
         return None, ""
     t0 = time.perf_counter()
     with traced_blocks(model, stack):
-        small = capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype, repeat_blocks=False)
+        small = trace(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
     try:
         graph = expand(small, stack)
     except NotRepeatable as exc:
         return None, f"traced all {stack.count} blocks of {stack.path} (they do not repeat exactly: {exc})"
+    except (KeyError, IndexError) as exc:  # a layout the checks missed: the full trace is right
+        return None, f"traced all {stack.count} blocks of {stack.path} (repeating them failed: {exc!r})"
     note = f"traced {_TRACED} of the {stack.count} blocks of {stack.path}; the others repeat block 2"
     return replace(graph, capture_time_s=time.perf_counter() - t0, capture_note=note), note
 
@@ -204,10 +204,10 @@ def expand(small: TrainingGraph, stack: BlockStack) -> TrainingGraph:
         elif not stack.encloses(label):
             block[n] = None  # a module outside the stack: the embedding, the head, the loss
         else:
-            # The code of a module around the stack: by its inputs (the parent's code between
-            # blocks; autograd's gradient sums, which carry a sequence number of the parent). The sum of the residual stream's
-            # gradient reads block b+1's part and block b's: it is block b's backward (and a
-            # forward join is the later block's).
+            # The code of a module around the stack, by its inputs: the parent's code between
+            # blocks, and autograd's gradient sums (they carry a sequence number of the
+            # parent). The sum of the residual stream's gradient reads block b+1's part and
+            # block b's: it is block b's backward (and a forward join is the later block's).
             found = sorted({block[a] for a in n.all_input_nodes if block.get(a) is not None})
             if len(found) > 2 or (len(found) == 2 and found[1] - found[0] != 1):
                 raise NotRepeatable(f"{n.name} reads blocks {found}")
@@ -264,13 +264,12 @@ def expand(small: TrainingGraph, stack: BlockStack) -> TrainingGraph:
         if sx is not None and not (sy - sx == seq_step and lo1 <= sx <= hi1) and \
                 not (sx == sy and (sx > seq_end or sx < lo1)):
             raise NotRepeatable(f"sequence numbers of {x.name} and {y.name} do not repeat")
-    for n in nodes:  # only neighbours and the output read the middle blocks
+    for n in nodes:  # only neighbours read the middle blocks' values, only the output their tensors' gradients
         if n.op == "output" or block.get(n) in (1, 2):
             continue
         for a in n.all_input_nodes:
-            if block.get(a) in (1, 2) and a.op != "placeholder":
-                if (block[n], block[a]) not in ((0, 1), (3, 2)):
-                    raise NotRepeatable(f"{n.name} (outside the middle blocks) reads {a.name}")
+            if block.get(a) in (1, 2) and (a.op == "placeholder" or (block[n], block[a]) not in ((0, 1), (3, 2))):
+                raise NotRepeatable(f"{n.name} (outside the middle blocks) reads {a.name}")
     extra = L - _TRACED
 
     # Write the long graph: (traced node, copy) -> new node; copy None for nodes kept as they are.

@@ -11,10 +11,14 @@ from cost.cluster import Cluster
 from cost.compute import gemm_efficiency
 from cost.hardware import GPUSpec
 from cost.layout import Layout
-from cost.plan_types import fp8_group
-from cost.stages import balanced_cuts
+from cost.memory import buffer_bytes, model_state_bytes
+from cost.pipeline import in_flight_microbatches
+from cost.plan_types import RecomputeChoice, fp8_group
+from cost.precision import recipe
+from cost.stages import StageMemory, balanced_cuts
 from cost.step_facts import StepFacts
-from cost.terms.common import resolved
+from cost.terms.common import block_params, resolved
+from cost.terms.recompute import activation_memory, columns, fixed_choice, local_saved_bytes
 
 # A training framework reaches less than the sum of its kernels' times: host overhead between
 # kernels, gradient clipping, data loading, stragglers. The default of
@@ -178,14 +182,64 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     key = ("chunk_map", chunks, *_times_key(facts, cluster, layout))
     if key not in facts._memo:
         if n_layers == 0 or chunks == 1:
-            facts._memo[key] = np.zeros(n_layers + 2, dtype=int)
+            facts._memo[key] = (None, np.zeros(n_layers + 2, dtype=int))
         else:
             slot = np.clip(facts.nodes.layer, -1, n_layers) + 1
             cost = np.bincount(slot, weights=node_times(facts, cluster, layout),
                                minlength=n_layers + 2)
             blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]))
-            facts._memo[key] = np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
-    return facts._memo[key]
+            facts._memo[key] = (cost, np.concatenate([[0], blocks, [chunks - 1]]).astype(int))
+    cost, chunk_map = facts._memo[key]
+    if cost is None or virtual_stages(layout) > 1:
+        return chunk_map
+    # the cut that balances time may not fit: 1F1B's first stage holds pp micro-batches
+    mem_key = ("chunk_map_memory", id(chunk_map), _memory_key(cluster, layout))
+    if mem_key not in facts._memo:
+        memory = stage_memory(facts, cluster, layout)
+        if memory.fits(chunk_map[1:-1], chunks):
+            facts._memo[mem_key] = (chunk_map, chunk_map)
+        else:
+            blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
+            facts._memo[mem_key] = (chunk_map, np.concatenate([[0], blocks, [chunks - 1]]).astype(int))
+    return facts._memo[mem_key][1]  # the time cut kept alive with it: its id is the key
+
+
+def _memory_key(cluster: Cluster, lay: Layout) -> tuple:
+    """What a stage's memory depends on beyond the node times."""
+    return (lay.zero, lay.dp, lay.cp, lay.tp, lay.sp, lay.ep, lay.microbatch, lay.grad_accum,
+            lay.schedule, lay.recompute, lay.precision, lay.fp32_grad_accum, cluster.gpu.memory_bytes,
+            cluster.params.memory_reserve_bytes, cluster.params.activation_fragmentation)
+
+
+def stage_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemory:
+    """Each slot's model state and saved activations on one device, for cuts under the memory
+    (`cost.stages.StageMemory`), as `cost.step.predict_memory` counts them: the layout's
+    recompute choice ("auto": none, the cut that fits without recomputing), zero-bubble's
+    stash left out."""
+    n = max(facts.n_layers, 0)
+    rec = recipe(layout.precision, layout.fp32_grad_accum)
+    per_param = sum(model_state_bytes(1.0, rec, layout.zero, layout.dp * layout.cp).values())
+    static = _slot_params(facts, layout) * per_param
+    choice = fixed_choice(facts, layout) if layout.recompute != "auto" else RecomputeChoice("none")
+    act, transient = activation_memory(facts, local_saved_bytes(facts, cluster, layout),
+                                       np.clip(facts.saved.layer, -1, n) + 1, n + 2, columns(facts, choice))
+    flight = [in_flight_microbatches(layout.schedule, layout.pp, layout.grad_accum, k, layout.virtual_stages)
+              for k in range(layout.pp)]
+    shared = (cluster.params.memory_reserve_bytes + transient
+              + buffer_bytes(layout.dp * layout.cp, layout.zero, block_params(facts, layout, max(n, 1)),
+                             rec.param_bytes))
+    return StageMemory(static[1:n + 1], act[1:n + 1], float(static[0]), float(act[0]),
+                       float(static[-1]), float(act[-1]), flight, cluster.gpu.memory_bytes - shared)
+
+
+def _slot_params(facts: StepFacts, lay: Layout) -> np.ndarray:
+    """Parameters each slot holds on one device after TP and EP sharding (a tied embedding on
+    both ends)."""
+    slots, weights, shared = _param_slots(facts, lay)
+    out = np.bincount(slots, weights=weights, minlength=max(facts.n_layers, 0) + 2).astype(float)
+    for local, where in shared:
+        out[where] += local
+    return out
 
 
 def virtual_stages(layout: Layout) -> int:
@@ -213,18 +267,35 @@ def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layo
 
 def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
     """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
-    key = ("stage_params", lay.tp, lay.ep, lay.pp,
-           tuple(slot_stages(facts, cluster, lay).tolist()))
+    stage_map = slot_stages(facts, cluster, lay)
+    key = ("stage_params", lay.tp, lay.ep, lay.pp, stage_map.tobytes())
     if key not in facts._memo:
-        params = facts.params
-        out = np.zeros(lay.pp)
-        for name, numel in params.numel.items():
-            local = numel / (lay.tp if params.tp_sharded[name] else 1)
-            local /= lay.ep if params.expert[name] else 1
-            layers = np.array(params.stages_layer[name])
-            for s in set(stage_of(facts, layers, cluster, lay).tolist()):
+        slots, weights, shared = _param_slots(facts, lay)
+        out = np.bincount(stage_map[slots], weights=weights, minlength=lay.pp).astype(float)
+        for local, where in shared:
+            for s in set(stage_map[where].tolist()):
                 out[s] += local  # a tied embedding lives on the first and the last stage
         facts._memo[key] = out
+    return facts._memo[key]
+
+
+def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list]:
+    """Each parameter's local size (after TP and EP sharding) by the slots that use it: the
+    one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a list of
+    (size, slots); memoised per (tp, ep)."""
+    key = ("param_slots", lay.tp, lay.ep)
+    if key not in facts._memo:
+        params, n = facts.params, max(facts.n_layers, 0)
+        slots, weights, shared = [], [], []
+        for name, numel in params.numel.items():
+            local = numel / (lay.tp if params.tp_sharded[name] else 1) / (lay.ep if params.expert[name] else 1)
+            where = sorted({int(np.clip(layer, -1, n)) + 1 for layer in params.stages_layer[name]})
+            if len(where) == 1:
+                slots.append(where[0])
+                weights.append(local)
+            else:
+                shared.append((local, np.array(where)))
+        facts._memo[key] = (np.array(slots, dtype=int), np.array(weights, dtype=float), shared)
     return facts._memo[key]
 
 

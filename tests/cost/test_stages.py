@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from autopar import models
 from autopar.search.step import captured_step
 from cost import Cluster, Layout
-from cost.stages import balanced_cuts
+from cost.stages import StageMemory, balanced_cuts
 from cost.step import predict
-from cost.terms.compute import slot_stages
+from cost.terms.compute import slot_stages, stage_memory
 
 
 def _brute_force(cost, pp, before, after):
@@ -42,6 +42,68 @@ def test_balanced_cuts_equal_brute_force(cost, data, before, after):
     assert per.max() <= _brute_force(cost, pp, before, after) * (1 + 1e-9)
 
 
+def _brute_force_memory(cost, pp, before, after, memory):
+    n = len(cost)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        stages = np.repeat(np.arange(pp), np.diff((0, *cuts, n)))
+        if not memory.fits(stages, pp):
+            continue
+        per = np.bincount(stages, weights=cost, minlength=pp)
+        per[0] += before
+        per[-1] += after
+        best = min(best, per.max())
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.floats(0.1, 10.0), min_size=2, max_size=7), st.data(), st.floats(0.0, 5.0),
+       st.floats(0.0, 20.0), st.floats(1.0, 40.0))
+def test_cuts_under_memory_equal_brute_force(cost, data, before, after, budget):
+    """Each stage: its blocks' state plus its micro-batches in flight (1F1B: pp - k) of their
+    activations, within the budget; the heaviest stage as light as brute force finds."""
+    n = len(cost)
+    pp = data.draw(st.integers(2, n))
+    act = np.array(data.draw(st.lists(st.floats(0.0, 3.0), min_size=n, max_size=n)))
+    memory = StageMemory(static=np.full(n, 1.0), act=act, static_before=2.0, act_before=0.5,
+                         static_after=2.0, act_after=1.0, flight=[pp - k for k in range(pp)], budget=budget)
+    stages = balanced_cuts(np.array(cost), pp, before, after, memory)
+    assert list(stages) == sorted(stages) and set(stages) == set(range(pp))
+    best = _brute_force_memory(cost, pp, before, after, memory)
+    if best == float("inf"):  # nothing fits: the cut that balances time
+        assert list(stages) == list(balanced_cuts(np.array(cost), pp, before, after))
+        return
+    assert memory.fits(stages, pp)
+    per = np.bincount(stages, weights=cost, minlength=pp)
+    per[0] += before
+    per[-1] += after
+    assert per.max() <= best * (1 + 1e-9)
+
+
+def test_a_tight_device_moves_blocks_off_the_first_stage():
+    """1F1B's first stage holds pp micro-batches of activations: where the cut that balances
+    time does not fit there, the solver's cut gives the first stage fewer blocks and fits."""
+    cfg = dataclasses.replace(models.config("llama3-8b"), n_layers=8, hidden=1024, n_heads=8,
+                              n_kv_heads=8, ffn=3072, vocab=32000)
+    model = models.build(cfg, device="meta", dtype=torch.bfloat16)
+    step = captured_step(model, models.example_inputs(cfg, batch=16, seq=2048, device="meta"), None,
+                         torch.bfloat16)
+    facts = step.facts()
+    lay = Layout(pp=4, microbatch=2, grad_accum=8, precision="bf16", recompute="none")
+    roomy = Cluster("h100", nodes=1, gpus_per_node=4)
+    balanced = slot_stages(facts, roomy, lay)[1:-1]
+    memory = stage_memory(facts, roomy, lay)
+    first = memory.stage_bytes(0, 0, int(np.bincount(balanced)[0]), 4)
+    shared = roomy.gpu.memory_bytes - memory.budget  # reserve, buffers, transient
+    assert first == max(memory.stage_bytes(k, *np.searchsorted(balanced, [k, k + 1]), 4) for k in range(4))
+    tight = Cluster("h100", nodes=1, gpus_per_node=4,
+                    gpu=dataclasses.replace(roomy.gpu, memory_bytes=shared + 0.95 * first))
+    cut = slot_stages(facts, tight, lay)[1:-1]
+    assert not stage_memory(facts, tight, lay).fits(balanced, 4)  # time's cut overflows stage 0
+    assert np.bincount(cut)[0] < np.bincount(balanced)[0] and len(cut) == 8
+    assert predict(facts, tight, lay).fits
+
+
 def test_equal_blocks_keep_the_even_split():
     assert list(balanced_cuts(np.ones(8), 4)) == [0, 0, 1, 1, 2, 2, 3, 3]
     heavy_head = balanced_cuts(np.ones(8), 4, after=3.0)
@@ -67,7 +129,7 @@ def test_a_heavy_head_gets_a_short_last_stage():
     assert balanced.time_breakdown["compute_s"] > 0
     even_map = np.array([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])  # the even split
     key = next(k for k in facts._memo if k[0] == "chunk_map")
-    facts._memo[key] = even_map
-    facts._memo = {k: v for k, v in facts._memo.items() if k[0] != "stage_params"}
+    facts._memo[key] = (facts._memo[key][0], even_map)
+    facts._memo = {k: v for k, v in facts._memo.items() if k[0] not in ("stage_params", "chunk_map_memory")}
     even = predict(facts, cluster, lay)
     assert balanced.step_time_s < even.step_time_s

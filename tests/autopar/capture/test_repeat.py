@@ -8,6 +8,7 @@ parameter shape and tie. Node names may differ (the tracer numbers nodes it late
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from torch import fx, nn
 from autopar import models
 from autopar.capture.joint import capture
 from autopar.capture.repeat import capture_repeated, find_stack
+
+
+whole = functools.partial(capture, repeat_blocks=False)  # the full trace
 
 
 def _signature(graph) -> list[tuple]:
@@ -35,10 +39,10 @@ def _signature(graph) -> list[tuple]:
 
 
 def assert_same_graph(model: nn.Module, inputs, loss_fn=None) -> None:
-    repeated, note = capture_repeated(model, inputs, loss_fn=loss_fn)
+    repeated, note = capture_repeated(model, inputs, whole, loss_fn=loss_fn)
     assert repeated is not None, note
     assert repeated.capture_note.startswith("traced 4 of the")
-    full = capture(model, inputs, loss_fn=loss_fn, repeat_blocks=False)
+    full = whole(model, inputs, loss_fn=loss_fn)
     assert repeated.inputs == full.inputs
     assert repeated.outputs == full.outputs
     assert (repeated.param_shapes, repeated.param_dtypes, repeated.aliases) == \
@@ -100,7 +104,7 @@ def test_blocks_that_do_not_repeat_are_traced_whole():
     unequal = PlainStack([Block(32, 64 * (1 + i % 2)) for i in range(6)])
     assert find_stack(unequal) is None
     aux = PlainStack([Block(32, 64) for _ in range(6)], aux=True)
-    graph, note = capture_repeated(aux, _plain_batch())
+    graph, note = capture_repeated(aux, _plain_batch(), whole)
     assert graph is None and "do not repeat" in note
     # the full trace runs instead, and the step is the eager one
     x, y = _plain_batch()
