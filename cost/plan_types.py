@@ -142,11 +142,18 @@ class PlanDecisions:
     recompute: list[str] = field(default_factory=list)  # forward values recomputed in backward
     # what the recompute pass runs ("auto" resolved): the decision parallelize executes
     recompute_choice: RecomputeChoice = field(default_factory=RecomputeChoice)
+    # under a pipeline whose stages choose apart ("auto"), stage s runs recompute_per_stage[s];
+    # empty when every stage runs recompute_choice
+    recompute_per_stage: tuple[RecomputeChoice, ...] = ()
     fp8: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
     # FP8 candidates the plan keeps in high precision ("auto": FP8 would not pay at their shape)
     fp8_high: list[str] = field(default_factory=list)
     comm: CommPlan = field(default_factory=CommPlan)
     fallbacks: list[Fallback] = field(default_factory=list)
+
+    def stage_recompute(self, stage: int) -> RecomputeChoice:
+        """What pipeline stage ``stage`` recomputes."""
+        return self.recompute_per_stage[stage] if self.recompute_per_stage else self.recompute_choice
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -183,6 +190,8 @@ class PlanDecisions:
             "recompute": list(self.recompute),
             "recompute_choice": {"mode": self.recompute_choice.mode,
                                  "outputs": list(self.recompute_choice.outputs)},
+            "recompute_per_stage": [{"mode": c.mode, "outputs": list(c.outputs)}
+                                    for c in self.recompute_per_stage],
             "fp8": list(self.fp8),
             "fp8_high": list(self.fp8_high),
             "comm": asdict(self.comm),
@@ -202,6 +211,8 @@ class PlanDecisions:
             stages=[tuple(s) for s in data["stages"]],
             recompute=list(data["recompute"]),
             recompute_choice=_recompute_choice(data),
+            recompute_per_stage=tuple(RecomputeChoice(c["mode"], tuple(c["outputs"]))
+                                      for c in data.get("recompute_per_stage", [])),
             fp8=list(data["fp8"]),
             fp8_high=list(data.get("fp8_high", [])),
             comm=CommPlan(**data["comm"]),

@@ -63,12 +63,12 @@ from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
 from cost.terms.pipeline_parallel import p2p_time, pipeline_time, shared_host_factor
 from cost.terms.recompute import (
-    activation_memory,
     choose_auto,
-    columns,
     fixed_choice,
     local_saved_bytes,
     rerun_per_stage,
+    staged_activation_memory,
+    staged_rerun,
 )
 from cost.terms.tensor_parallel import sp_regather, tp_small_collectives
 from cost.terms.tensor_parallel import tp_comm as tp_comm_terms
@@ -77,7 +77,7 @@ __all__ = [
     "ADAM_BYTES_PER_PARAM", "CPU_ADAM_BYTES_PER_PARAM", "FP8_CAST_BYTES_PER_INPUT_BYTE",
     "FRAMEWORK_EFFICIENCY", "EventTable", "NodeTable", "ParamTable", "Prediction", "SavedTable",
     "StepFacts", "axis_group", "check_layout", "collective_time", "comm_overlap",
-    "default_precision", "node_times", "predict", "predict_memory", "recompute_choice", "resolved",
+    "default_precision", "node_times", "predict", "predict_memory", "recompute_choice", "recompute_choices", "resolved",
     "stage_memory", "stage_of",
     "tp_small_collectives", "zero_reduction",
 ]
@@ -238,12 +238,14 @@ def predict(
     times = step_node_times(facts, cluster, lay)
     fwd, bwd = compute_per_stage(facts, cluster, lay, times)
     host = host_overhead_per_stage(facts, cluster, lay)
-    choice = recompute_choice(facts, cluster, lay)
-    recomp = rerun_per_stage(node_stages(facts, cluster, lay), times, columns(facts, choice).rerun, pp)
+    choices = recompute_choices(facts, cluster, lay)
+    node_stage = node_stages(facts, cluster, lay)
+    recomp = rerun_per_stage(node_stage, times, staged_rerun(facts, choices, node_stage), pp)
     shared = shared_host_factor(cluster, lay)  # CPU ranks: the bubble's idle cores help
     fwd, bwd, host, recomp = fwd * shared, bwd * shared, host * shared, recomp * shared
-    if choice.mode != "none":  # and the SP gathers the recomputed values start from
-        recomp = recomp + sp_regather(facts, cluster, lay, scale, n_layers, pp)
+    recomputing = np.array([c.mode != "none" for c in choices])
+    if recomputing.any():  # and the SP gathers the recomputed values start from
+        recomp = recomp + sp_regather(facts, cluster, lay, scale, n_layers, pp) * recomputing
     tp_comm, tp_hidden_fwd, tp_hidden_bwd = tp_comm_terms(facts, cluster, lay, times, scale,
                                                           n_layers, pp)
     cp_comm = cp_exposed(facts, cluster, lay, times, scale)
@@ -297,25 +299,39 @@ def predict(
 
 
 def recompute_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> RecomputeChoice:
-    """What the recompute pass rebuilds under ``layout`` (`cost.terms.recompute`): its manual
-    mode or groups, or for "auto" the fastest choice that fits (memoised per layout)."""
+    """What the recompute pass rebuilds under ``layout``: `recompute_choices`' choice when every
+    pipeline stage makes the same, else the first stage's (it holds the most in flight)."""
+    return recompute_choices(facts, cluster, layout)[0]
+
+
+def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[RecomputeChoice, ...]:
+    """What the recompute pass rebuilds on each pipeline stage (one entry without a pipeline)
+    under ``layout`` (`cost.terms.recompute`): its manual mode or groups on every stage, or for
+    "auto" each stage's fastest choice that fits that stage (memoised per layout). Stages are
+    priced apart (a stage's memory and seconds depend on its own choice only), so choosing each
+    alone is the fastest step under the memory: 1F1B's first stage holds pp micro-batches in
+    flight and may recompute what the last one keeps."""
     lay = resolved(facts, cluster, layout)
     if lay.recompute != "auto":
-        return fixed_choice(facts, lay)
-    key = ("recompute_choice", lay, cluster.gpu.name, cluster.gpu.memory_bytes, cluster.params,
+        return (fixed_choice(facts, lay),) * lay.pp
+    key = ("recompute_choices", lay, cluster.gpu.name, cluster.gpu.memory_bytes, cluster.params,
            cluster.world_size)
     if key not in facts._memo:
         rec = recipe(lay.precision, lay.fp32_grad_accum)
         params_stage = params_per_stage(facts, cluster, lay)
+        none = (RecomputeChoice("none"),) * lay.pp
         fixed = [b.total - b.activations for b in _memory(facts, cluster, lay, rec, params_stage,
-                                                          RecomputeChoice("none"), transient=False)]
-        flight = np.array([_flight(lay, s) for s in range(lay.pp)])
+                                                          none, transient=False)]
+        room = cluster.gpu.memory_bytes - np.array(fixed)
         times = step_node_times(facts, cluster, lay)
         fwd, bwd = compute_per_stage(facts, cluster, lay, times)
-        facts._memo[key] = choose_auto(
-            facts, local_saved_bytes(facts, cluster, lay), stage_of(facts, facts.saved.layer, cluster, lay),
-            flight, cluster.gpu.memory_bytes - np.array(fixed), node_stages(facts, cluster, lay), times,
-            fwd + bwd)
+        local = local_saved_bytes(facts, cluster, lay)
+        saved_stage = stage_of(facts, facts.saved.layer, cluster, lay)
+        node_stage = node_stages(facts, cluster, lay)
+        facts._memo[key] = tuple(
+            choose_auto(facts, local * (saved_stage == s), np.zeros_like(saved_stage), np.array([_flight(lay, s)]),
+                        room[s:s + 1], np.zeros_like(node_stage), times * (node_stage == s), (fwd + bwd)[s:s + 1])
+            for s in range(lay.pp))
     return facts._memo[key]
 
 
@@ -326,20 +342,19 @@ def _flight(lay: Layout, stage: int) -> float:
     return in_flight_microbatches(lay.schedule, lay.pp, lay.grad_accum, stage, lay.virtual_stages)
 
 
-def _memory(facts, cluster, lay, rec, params_stage, choice: RecomputeChoice | None = None,
+def _memory(facts, cluster, lay, rec, params_stage, choices: tuple[RecomputeChoice, ...] | None = None,
             transient: bool = True) -> list[MemoryBreakdown]:
-    """Memory breakdown of every pipeline stage under the recompute ``choice`` (the layout's
-    when None); ``transient=False`` leaves the backward's transient buffers out."""
+    """Memory breakdown of every pipeline stage under the recompute ``choices`` per stage (the
+    layout's when None); ``transient=False`` leaves the backward's transient buffers out."""
     pp = lay.pp
     n_layers = max(facts.n_layers, 1)
-    choice = choice or recompute_choice(facts, cluster, lay)
+    choices = choices or recompute_choices(facts, cluster, lay)
     # what the recompute pass keeps from the forward to the backward (autograd's saved values
     # without recompute; with it, the values the pass does not rebuild and the roots its chains
     # start from, block inputs included), and what each block's backward rebuilds
-    per_stage, extra = activation_memory(facts, local_saved_bytes(facts, cluster, lay),
-                                         stage_of(facts, facts.saved.layer, cluster, lay), pp,
-                                         columns(facts, choice))
-    extra = extra if transient else 0.0
+    per_stage, extra = staged_activation_memory(facts, local_saved_bytes(facts, cluster, lay),
+                                                stage_of(facts, facts.saved.layer, cluster, lay), choices)
+    extra = extra if transient else np.zeros(pp)
     block_params_ = block_params(facts, lay, n_layers)
     stash = zb_stash_per_stage(facts, cluster, lay)
     out = []
@@ -351,7 +366,7 @@ def _memory(facts, cluster, lay, rec, params_stage, choice: RecomputeChoice | No
                 grads=states["grads"],
                 optimizer=states["optimizer"],
                 activations=(float(per_stage[s]) + float(stash[s])) * _flight(lay, s),
-                buffers=buffer_bytes(lay.dp * lay.cp, lay.zero, block_params_, rec.param_bytes) + extra,
+                buffers=buffer_bytes(lay.dp * lay.cp, lay.zero, block_params_, rec.param_bytes) + float(extra[s]),
                 reserve=cluster.params.memory_reserve_bytes,
             )
         )

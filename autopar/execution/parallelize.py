@@ -287,21 +287,23 @@ def parallelize(
     decisions = chosen.decisions
     # each node's block and the heavy groups a partial choice names, read before any pass
     # rewrites the graph (the recompute pass's rules)
-    choice = decisions.recompute_choice
+    # what each pipeline rank recomputes (one choice without a pipeline)
+    choices = [decisions.stage_recompute(r) for r in range(lay.pp)]
+    recomputing = any(c.mode != "none" for c in choices)
     groups: dict[str, str] = {}
     layers: dict[str, int | None] = {}
     captured_stage: dict[str, int] = {}
-    if choice.mode != "none" or lay.pp > 1:
+    if recomputing or lay.pp > 1:
         analysis = analyze(graph)
         layers = {name: info.layer for name, info in analysis.nodes.items()}
     if lay.pp > 1:  # each captured node's stage, as the cost model cuts and prices them
         order = ((i.name, i.phase == "backward", i.layer) for i in analysis.nodes.values())
         captured_stage = node_stages(order, analysis.blocks.count if analysis.blocks else 0,
                                      decisions.stages)
-    if choice.mode != "none":
+    if recomputing:
         forward_mm = {mm: w for w, mms in weight_matmuls(gm, signature).items() for mm in mms.forward}
         groups = heavy_groups(gm, layers, {n: i.module for n, i in analysis.nodes.items()}, forward_mm)
-        unknown = set(choice.outputs) - set(groups.values())
+        unknown = {g for c in choices for g in c.outputs} - set(groups.values())
         if unknown:
             raise UnsupportedLayoutError(
                 f"the plan recomputes {sorted(unknown)}, which this rank's graph does not have "
@@ -339,9 +341,12 @@ def parallelize(
             "to accept the replication (listed in pm.plan.fallbacks)")
     if decisions.fp8 and lay.dp > 1:  # scales over all DP ranks' tokens, as on one device
         reduce_scales(gm, AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh)))
-    if choice.mode != "none":
+    if recomputing:
         # the plan lists what is recomputed, value by value, as it runs
-        decisions.recompute = _recomputed(None, choice, _recompute(gm, layers, groups, choice, lay.tp > 1))
+        block_rank = {b: c % lay.pp for c, (first, last) in enumerate(decisions.stages)
+                      for b in range(first, last + 1)}
+        decisions.recompute = _recomputed(None, choices[0], _recompute(gm, layers, groups, choices, block_rank,
+                                                                       lay.tp > 1))
     weight_loss_by_seed(gm, signature)
     accumulate_gm = None
     inputs = list(signature.inputs)
@@ -442,18 +447,25 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], dec
                         shared_groups=shared_groups, zero_sharded=zero_rows)
 
 
-def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str], choice: RecomputeChoice,
-               retraced: bool) -> dict[int, list[str]]:
+def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str],
+               choices: list[RecomputeChoice], block_rank: dict[int, int], retraced: bool
+               ) -> dict[int, list[str]]:
     """Apply the recompute pass to this rank's graph ``gm``; block -> the saved values it
-    rebuilds. ``layers`` and ``groups``: the block and heavy group of each node of the captured
-    graph (its analysis); a graph the TP pass retraced names each node's source in
-    ``meta["from_node"]``, a node of the FP8 pass the matmul it serves (its casts are that
-    matmul's block's)."""
+    rebuilds. ``choices``: what each pipeline rank recomputes (one entry without a pipeline);
+    ``block_rank``: the pipeline rank of each block. ``layers`` and ``groups``: the block
+    and heavy group of each node of the captured graph (its analysis); a graph the TP pass
+    retraced names each node's source in ``meta["from_node"]``, a node of the FP8 pass the
+    matmul it serves (its casts are that matmul's block's)."""
     source = {n.name: _source(n, retraced) for n in gm.graph.nodes}
     per_node = {name: layers.get(src) for name, src in source.items()}
-    wanted = set(choice.outputs)
-    also = [name for name, src in source.items() if groups.get(src) in wanted]
-    result = apply_recompute(gm, values_to_recompute(gm, per_node, choice.mode, also=also))
+    marked: set[str] = set()
+    for choice in set(choices):
+        ranks = {r for r, c in enumerate(choices) if c == choice}
+        wanted = set(choice.outputs)
+        also = [name for name, src in source.items() if groups.get(src) in wanted]
+        values = values_to_recompute(gm, per_node, choice.mode, also=also)
+        marked |= {v for v in values if len(choices) == 1 or block_rank.get(per_node[v]) in ranks}
+    result = apply_recompute(gm, frozenset(marked))
     executed: dict[int, list[str]] = {}
     for name in result.recomputed:
         executed.setdefault(per_node[name], []).append(name)

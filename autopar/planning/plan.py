@@ -156,9 +156,13 @@ class Plan:
     def _recompute_words(self) -> str:
         """The layout's recompute and, for "auto" or named groups, what it resolved to."""
         lay, choice = self.layout, self.decisions.recompute_choice
-        if isinstance(lay.recompute, str) and lay.recompute == choice.mode and not choice.outputs:
+        per_stage = self.decisions.recompute_per_stage
+        if isinstance(lay.recompute, str) and lay.recompute == choice.mode and not choice.outputs \
+                and not per_stage:
             return lay.recompute
         asked = "+".join(lay.recompute) if isinstance(lay.recompute, tuple) else lay.recompute
+        if per_stage:  # the pipeline's stages chose apart
+            return f"{asked} -> " + "; ".join(f"stage {s}: {c.describe()}" for s, c in enumerate(per_stage))
         return f"{asked} -> {choice.describe()}"
 
     def _fp8_line(self) -> str:

@@ -21,20 +21,24 @@ from cost.plan_types import (
     PlanDecisions,
     RecomputeChoice,
 )
-from cost.step import StepFacts, recompute_choice, zero_reduction
-from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, virtual_stages
+from cost.step import StepFacts, recompute_choices, zero_reduction
+from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, stage_of, virtual_stages
 
 
 def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
     """The decisions of ``layout`` on this step, as the passes will run them."""
     params = {name: _param_plan(facts, layout, name) for name in facts.param_numel}
-    choice = recompute_choice(facts, cluster, layout)
+    choices = recompute_choices(facts, cluster, layout)
+    choice = choices[0]
+    per_stage = choices if len(set(choices)) > 1 else ()
     return PlanDecisions(
         layout=layout,
         params=params,
         stages=_stages(facts, cluster, layout),
-        recompute=_recomputed(facts, choice),
+        recompute=_recomputed(facts, choice, block_choices=[
+            choices[s] for s in stage_of(facts, np.arange(facts.n_layers), cluster, layout)] if per_stage else None),
         recompute_choice=choice,
+        recompute_per_stage=per_stage,
         fp8=_fp8_weights(facts, cluster, layout),
         fp8_high=_fp8_kept_high(facts, cluster, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter"),
@@ -80,13 +84,13 @@ def _stages(facts: StepFacts, cluster, layout: Layout) -> list[tuple[int, int]]:
 
 
 def _recomputed(facts: StepFacts | None, choice: RecomputeChoice,
-                executed: dict[int, list[str]] | None = None) -> list[str]:
-    """What the backward recomputes, per block: the rule of ``choice`` (every block alike), or
-    with ``executed`` (block -> the saved values the recompute pass rebuilds, as
+                executed: dict[int, list[str]] | None = None,
+                block_choices: list[RecomputeChoice] | None = None) -> list[str]:
+    """What the backward recomputes, per block: the rule of ``choice`` (every block alike, or
+    block i under ``block_choices[i]`` where pipeline stages choose apart), or with
+    ``executed`` (block -> the saved values the recompute pass rebuilds, as
     `autopar.parallelize` ran it; ``facts`` unused) the values themselves: the first few names
     of each block and their count."""
-    if choice.mode == "none":
-        return []
     if executed is not None:
         # by op (node names less their numbering), so that alike blocks read alike
         return [f"block {block}: {len(values)} values ("
@@ -94,14 +98,20 @@ def _recomputed(facts: StepFacts | None, choice: RecomputeChoice,
                 for block, values in sorted(executed.items())]
     if facts is None or not facts.n_layers:
         return []
-    if choice.mode == "full":
-        what = "every forward value but the block's input"
-    elif choice.outputs:
-        what = ("element-wise forward values and the outputs of " + ", ".join(choice.outputs)
-                + " (other matmul and attention outputs kept)")
-    else:
-        what = "element-wise forward values (matmul and attention outputs kept)"
-    return [f"block {i}: {what}" for i in range(facts.n_layers)]
+    out = []
+    for i in range(facts.n_layers):
+        c = block_choices[i] if block_choices else choice
+        if c.mode == "none":
+            continue
+        if c.mode == "full":
+            what = "every forward value but the block's input"
+        elif c.outputs:
+            what = ("element-wise forward values and the outputs of " + ", ".join(c.outputs)
+                    + " (other matmul and attention outputs kept)")
+        else:
+            what = "element-wise forward values (matmul and attention outputs kept)"
+        out.append(f"block {i}: {what}")
+    return out
 
 
 def _fp8_weights(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str]:

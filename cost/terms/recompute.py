@@ -127,6 +127,30 @@ def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp
     return per_stage, transient
 
 
+def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
+                             choices: tuple[RecomputeChoice, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """`activation_memory` with a choice per pipeline stage: (saved bytes of one micro-batch
+    per stage, transient bytes per stage); stage s's rows counted under ``choices[s]``."""
+    pp = len(choices)
+    per_stage, transient = np.zeros(pp), np.zeros(pp)
+    for choice in set(choices):
+        cols = columns(facts, choice)
+        for s in (s for s in range(pp) if choices[s] == choice):
+            on = local * (stage == s)
+            kept, extra = activation_memory(facts, on, np.zeros(len(on), dtype=int), 1, cols)
+            per_stage[s], transient[s] = kept[0], extra
+    return per_stage, transient
+
+
+def staged_rerun(facts: StepFacts, choices: tuple[RecomputeChoice, ...], node_stage: np.ndarray) -> np.ndarray:
+    """Which nodes the backward runs again, each under its stage's choice."""
+    rerun = np.zeros(len(facts.nodes), dtype=bool)
+    for choice in set(choices):
+        on = np.isin(node_stage, [s for s in range(len(choices)) if choices[s] == choice])
+        rerun |= columns(facts, choice).rerun & on
+    return rerun
+
+
 def rerun_per_stage(stage_of_node: np.ndarray, times: np.ndarray, rerun: np.ndarray, pp: int
                     ) -> np.ndarray:
     """Seconds of each stage's recomputed forward for one micro-batch: the nodes the recompute

@@ -183,3 +183,43 @@ def test_plan_shows_and_round_trips_the_choice():
     del old["recompute_choice"]  # a plan written before the choice was recorded
     old["layout"]["recompute"] = "full"
     assert PlanDecisions.from_dict(old).recompute_choice == RecomputeChoice("full")
+
+
+def test_pipeline_stages_choose_apart():
+    """1F1B's first stage holds pp micro-batches of activations, the last one: on a device
+    squeezed below the first stage's need, "auto" recomputes there and keeps everything on the
+    later stages, a shorter step than any one choice for all stages that fits; the plan lists
+    each stage's choice and its JSON keeps them."""
+    import torch
+
+    from autopar.search.step import captured_step
+    from cost import Cluster, Layout
+    from cost.step import recompute_choices, stage_memory
+
+    cfg = dataclasses.replace(models.config("llama3-8b"), n_layers=8, hidden=1024, n_heads=8,
+                              n_kv_heads=8, ffn=3072, vocab=4000)
+    model = models.build(cfg, device="meta", dtype=torch.bfloat16)
+    step = captured_step(model, models.example_inputs(cfg, batch=16, seq=2048, device="meta"), None,
+                         torch.bfloat16)
+    facts = step.facts()
+    roomy = Cluster("h100", nodes=1, gpus_per_node=4)
+    base = dict(pp=4, microbatch=2, grad_accum=8, precision="bf16")
+    need = [b.total for b in stage_memory(facts, roomy, Layout(**base, recompute="none"))]
+    assert need[0] == max(need)
+    tight = Cluster("h100", nodes=1, gpus_per_node=4,
+                    gpu=dataclasses.replace(roomy.gpu, memory_bytes=0.9 * need[0]))
+    auto = Layout(**base, recompute="auto")
+    choices = recompute_choices(facts, tight, auto)
+    assert choices[0].mode != "none" and choices[-1].mode == "none"
+    staged = predict(facts, tight, auto)
+    assert staged.fits
+    uniform = [Layout(**base, recompute=c.outputs if c.outputs else c.mode) for c in set(choices)]
+    uniform += [Layout(**base, recompute=m) for m in ("selective", "full")]
+    fitting = [predict(facts, tight, lay) for lay in uniform if predict(facts, tight, lay).fits]
+    assert fitting and staged.step_time_s < min(p.step_time_s for p in fitting)
+    plan = autopar.plan(model, models.example_inputs(cfg, batch=16, seq=2048, device="meta"), cluster=tight,
+                        layout=auto)
+    assert plan.decisions.recompute_per_stage == choices
+    assert "stage 0: selective" in plan.summary() and "stage 3: none" in plan.summary()
+    again = PlanDecisions.from_dict(plan.decisions.to_dict())
+    assert again.recompute_per_stage == choices and again.stage_recompute(3).mode == "none"

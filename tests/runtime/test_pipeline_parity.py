@@ -4,7 +4,7 @@ Loss, every gradient and the updated parameters after 2 SGD then 2 AdamW steps (
 `parity_checks`), under GPipe ("afab"), 1F1B with 1, 2 and 8 micro-batches, interleaved 1F1B
 (two stages per rank), zero-bubble (ZB1P: input and weight gradients apart), pp=4 (also with
 fewer micro-batches than stages), pp x dp with ZeRO-1, pp x tp with SP, with selective and full
-recompute; on tiny-llama, tiny-gpt2
+recompute (also a different choice per stage); on tiny-llama, tiny-gpt2
 (its tied embedding and head live on the first and last stage), tiny-mixtral and a plain-PyTorch
 model of our own. Every parameter lives on exactly one stage (both ends for the tied one), with
 the plan's placements; the stages are the plan's cut. The transformers models run with
@@ -64,10 +64,24 @@ def _pipeline_worker(rank: int, world: int, cases: list[tuple[str, int, dict]]) 
     import autopar
 
     failures = []
+    from cost.plan_types import RecomputeChoice
+
     for name, layers, degrees in cases:
         model, batch = _model(name, layers)
         ref = copy.deepcopy(model)
-        pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
+        per_stage = degrees.pop("per_stage", None)
+        if per_stage:  # each stage recomputes its own (what "auto" picks on a squeezed device)
+            plan = autopar.plan(model, batch, cluster=autopar.Cluster("h100", nodes=1, gpus_per_node=world),
+                                layout=autopar.Layout(**degrees, precision="fp32"))
+            plan.decisions.recompute_per_stage = tuple(RecomputeChoice(*c) for c in per_stage)
+            pm = autopar.parallelize(model, world, example_inputs=batch, plan=plan)
+            ran = {int(line.split(":")[0].split()[1]) for line in pm.plan.recompute}
+            stage_blocks = {b for (first, last), c in zip(pm.plan.stages, per_stage) if c[0] != "none"
+                            for b in range(first, last + 1)}
+            if ran != stage_blocks:
+                failures.append((name, "recomputed blocks", sorted(ran), "expected", sorted(stage_blocks)))
+        else:
+            pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
         label = (name, pm.plan.layout.short(), rank)
         failures += _contract(pm, label)
         failures += _train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd, adamw))
@@ -94,6 +108,9 @@ TWO_RANKS = [(name, 2, dict(pp=2, schedule=schedule, grad_accum=m))
     # recompute composes: the copies run on their block's stage
     ("tiny-gpt2", 2, dict(pp=2, grad_accum=2, recompute="selective")),
     ("tiny-llama", 2, dict(pp=2, grad_accum=2, recompute="full")),
+    # stages choose apart: full recompute on the first, none on the second (and the other way)
+    ("tiny-llama", 4, dict(pp=2, grad_accum=2, per_stage=[("full", ()), ("none", ())])),
+    ("plain", 4, dict(pp=2, grad_accum=2, per_stage=[("none", ()), ("selective", ())])),
     # interleaved 1F1B: 4 stages on 2 ranks (stage c on rank c mod 2); GPT-2's tied embedding
     # and head on stages 0 and 3, ranks 0 and 1
     ("tiny-llama", 4, dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, grad_accum=4)),

@@ -19,7 +19,6 @@ from autopar import models
 from autopar.capture.joint import capture
 from autopar.capture.repeat import capture_repeated, find_stack
 
-
 whole = functools.partial(capture, repeat_blocks=False)  # the full trace
 
 
