@@ -129,7 +129,7 @@ def _rewritten(graph, layers, groups, choice):
 
     gm = copy.deepcopy(graph.gm)
     if choice.mode != "none":
-        _recompute(gm, layers, groups, choice, retraced=False)
+        _recompute(gm, layers, groups, [choice], {}, retraced=False)
     return gm
 
 

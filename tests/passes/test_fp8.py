@@ -179,7 +179,7 @@ def test_recompute_composes_with_fp8():
         apply_fp8(graph.gm, sig, sorted({group_of(w) for w in weight_matmuls(graph.gm, sig)}),
                   RECIPES["tensorwise"])
         if mode == "full":
-            assert _recompute(graph.gm, layers, {}, RecomputeChoice(mode), retraced=False)
+            assert _recompute(graph.gm, layers, {}, [RecomputeChoice(mode)], {}, retraced=False)
         params = dict(model.named_parameters())
         primals = [params[i.name] if i.kind == "param" else batch[int(i.name[len("input"):])]
                    for i in graph.inputs if i.kind in ("param", "input")]
