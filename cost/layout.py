@@ -62,6 +62,10 @@ class Layout:
         tensor, e5m2 gradients; rowwise: one per row, e4m3; rowwise_with_gw_hp: rowwise with the
         weight gradient in high precision).
     fp32_grad_accum: keep an fp32 gradient buffer (nanotron's default; +4 bytes per parameter).
+    reshard: under ZeRO-3, gather each block's weights again for the backward (FSDP's
+        reshard_after_forward, the default); False keeps the forward's gathered weights to the
+        backward: one all-gather fewer per block and micro-batch, the whole weights held from the
+        forward to the backward (ZeRO-1/2 keep them anyway; ignored there).
     """
 
     dp: int = 1
@@ -80,6 +84,7 @@ class Layout:
     fp32_grad_accum: bool = True
     fp8: str | tuple[str, ...] = "none"
     fp8_recipe: str = "tensorwise"
+    reshard: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatch", "grad_accum", "virtual_stages"):
@@ -119,6 +124,10 @@ class Layout:
         if self.sp and self.tp == 1:
             # SP without TP is meaningless; normalise rather than fail (a sweep sets sp=True).
             object.__setattr__(self, "sp", False)
+        if not isinstance(self.reshard, bool):
+            raise LayoutError(f"Layout.reshard={self.reshard!r}: True or False")
+        if self.zero < 3 and not self.reshard:
+            object.__setattr__(self, "reshard", True)  # only ZeRO-3 drops the gathered weights
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise LayoutError(
                 f"Layout.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b'"
@@ -191,7 +200,7 @@ class Layout:
             if getattr(self, name) > 1:
                 parts.append(f"{name}{getattr(self, name)}")
         if self.zero:
-            parts.append(f"zero{self.zero}")
+            parts.append(f"zero{self.zero}" + ("" if self.reshard else " no-reshard"))
         if self.sp:
             parts.append("sp")
         if self.microbatch is not None:

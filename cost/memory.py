@@ -95,15 +95,19 @@ def buffer_bytes(
     largest_layer_params: float = 0.0,
     param_bytes: float = 2.0,
     bucket_bytes: float = DDP_BUCKET_BYTES,
+    kept_weight_params: float | None = None,
 ) -> float:
     """Communication buffers: gradient buckets when dp > 1 (2 x 25 MiB), plus under ZeRO-3 the
-    gathered weights of the current and the prefetched layer (2 x largest layer x param_bytes).
+    gathered weights of the current and the prefetched layer (2 x largest layer x param_bytes),
+    or, when ZeRO-3 keeps the forward's gathered weights to the backward, all of them
+    (``kept_weight_params``: the device's whole weights, in parameters).
     """
     if dp <= 1:
         return 0.0
     total = BUCKETS_IN_FLIGHT * bucket_bytes
     if zero >= 3:
-        total += ZERO3_GATHERED_LAYERS * largest_layer_params * param_bytes
+        held = ZERO3_GATHERED_LAYERS * largest_layer_params
+        total += max(held, kept_weight_params or 0.0) * param_bytes
     return float(total)
 
 

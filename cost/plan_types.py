@@ -112,6 +112,9 @@ class CommPlan:
     first_bucket_bytes: int = 2**20  # DDP's first bucket: the first reduction starts early
     prefetch_blocks: int = 1  # ZeRO gathers the next block's weights while one computes
     reduce_scatter: bool = True  # ZeRO reduces by reduce-scatter (False: all-reduce, gloo)
+    # ZeRO-3 gathers the weights again for the backward (False: the forward's gathered weights
+    # are kept to the backward, Layout.reshard)
+    reshard_after_forward: bool = True
 
 
 @dataclass(frozen=True)

@@ -328,6 +328,11 @@ def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tup
         local = local_saved_bytes(facts, cluster, lay)
         saved_stage = stage_of(facts, facts.saved.layer, cluster, lay)
         node_stage = node_stages(facts, cluster, lay)
+        kept, transient = staged_activation_memory(facts, local, saved_stage, none)
+        flight = np.array([_flight(lay, s) for s in range(lay.pp)])
+        if np.all(kept * flight + transient <= room):  # no stage needs to recompute
+            facts._memo[key] = none
+            return none
         facts._memo[key] = tuple(
             choose_auto(facts, local * (saved_stage == s), np.zeros_like(saved_stage), np.array([_flight(lay, s)]),
                         room[s:s + 1], np.zeros_like(node_stage), times * (node_stage == s), (fwd + bwd)[s:s + 1])
@@ -366,7 +371,9 @@ def _memory(facts, cluster, lay, rec, params_stage, choices: tuple[RecomputeChoi
                 grads=states["grads"],
                 optimizer=states["optimizer"],
                 activations=(float(per_stage[s]) + float(stash[s])) * _flight(lay, s),
-                buffers=buffer_bytes(lay.dp * lay.cp, lay.zero, block_params_, rec.param_bytes) + float(extra[s]),
+                buffers=buffer_bytes(lay.dp * lay.cp, lay.zero, block_params_, rec.param_bytes,
+                                     kept_weight_params=None if lay.reshard else float(params_stage[s]))
+                + float(extra[s]),
                 reserve=cluster.params.memory_reserve_bytes,
             )
         )

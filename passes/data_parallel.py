@@ -24,7 +24,10 @@ gathers one block's weights at a time (as ``fully_shard`` on each transformer bl
 for the forward and again for the backward, so whole weights need not live across the step;
 the next block's gather is issued when the current block starts computing (prefetch one block
 ahead). ZeRO-1 and 2 gather the same way but once per step, keeping the whole weights for the
-backward (their memory differs in what the optimizer and gradients keep, not in the graph).
+backward (their memory differs in what the optimizer and gradients keep, not in the graph);
+ZeRO-3 without resharding after the forward (``CommPlan.reshard_after_forward`` False, FSDP's
+reshard_after_forward=False) gathers once per micro-batch and keeps the whole weights to the
+backward, as ZeRO-1/2 do within a step.
 Every inserted node carries ``meta["autopar"]``: the plan decision that put it there.
 """
 
@@ -115,7 +118,8 @@ def apply_data_parallel(
     # weights: the graph input becomes rank i's rows; gather them before use
     order = sorted(sharded, key=lambda p: list(params).index(p))
     shards = {p: nodes[params[p]] for p in order}
-    if zero == 3:
+    reshard = zero == 3 and plan.comm.reshard_after_forward
+    if reshard:
         _unshare_weight_views(graph, shards.values())
     if zero:
         _gather_per_block(graph, order, shards, n, group_name, zero, plan.comm)
@@ -209,9 +213,10 @@ def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str],
 def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.Node], n: int,
                       group_name: str, zero: int, comm: CommPlan) -> None:
     """One gather per block, block k+1's issued as block k starts computing. ZeRO-3 gathers
-    again for the backward (the whole weights are dropped after each use); ZeRO-1/2 keep the
-    forward's gathered weights for the backward."""
-    phases = ("forward", "backward") if zero == 3 else ("forward and backward",)
+    again for the backward (the whole weights are dropped after each use) unless it keeps the
+    forward's (``comm.reshard_after_forward`` False), as ZeRO-1/2 do."""
+    reshard = zero == 3 and comm.reshard_after_forward
+    phases = ("forward", "backward") if reshard else ("forward and backward",)
     group_of = gather_groups({name: shards[name].meta["val"] for name in order}, comm.bucket_bytes)
     for phase in phases:
         users_by_block: dict[tuple, dict[str, list[fx.Node]]] = {}

@@ -41,7 +41,8 @@ def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
         recompute_per_stage=per_stage,
         fp8=_fp8_weights(facts, cluster, layout),
         fp8_high=_fp8_kept_high(facts, cluster, layout),
-        comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter"),
+        comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter",
+                      reshard_after_forward=layout.reshard),
         fallbacks=[Fallback(op, "no sharding strategy on its inputs: gathered, run replicated")
                    for op in facts.tp_fallbacks] if layout.tp > 1 else [],
     )

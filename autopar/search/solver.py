@@ -12,6 +12,7 @@ The same inputs always give the same plan.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,11 @@ def tp_degrees(facts: StepFacts, cluster: Cluster, cross_node_tp: bool = False) 
     gpn = min(cluster.gpus_per_node, world)
     tps = [t for t in divisors(world) if heads % t == 0 and (t <= gpn) != cross_node_tp]
     return [t for t in tps if t % gpn == 0] if cross_node_tp else tps
+
+
+# (ZeRO stage, reshard): ZeRO-3 gathers the weights again for the backward, or keeps the
+# forward's (a collective recomputed or kept: the solver weighs one gather against the memory)
+ZERO_CHOICES = ((0, True), (1, True), (2, True), (3, True), (3, False))
 
 
 def candidate_layouts(
@@ -91,15 +97,16 @@ def candidate_layouts(
                             (False, True) if tp > 1 else (False,),
                             fp8s,
                             schedules,
-                            (0, 1, 2, 3) if dp * cp > 1 else (0,),  # ZeRO shards over dp*cp
+                            # ZeRO shards over dp*cp; ZeRO-3 also keeping the forward's weights
+                            ZERO_CHOICES if dp * cp > 1 else ((0, True),),
                             recompute,
                         )
-                        for sp, fp8, (schedule, v), zero, rc in choices:
+                        for sp, fp8, (schedule, v), (zero, reshard), rc in choices:
                             try:
                                 yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
                                              microbatch=mb, grad_accum=ga, schedule=schedule,
                                              virtual_stages=v, recompute=rc,
-                                             precision=base, fp8=fp8)
+                                             precision=base, fp8=fp8, reshard=reshard)
                             except LayoutError:
                                 continue
 
@@ -130,6 +137,7 @@ def search(
     stats = {"considered": 0, "fit": 0, "cross_node_tp": False}
     smallest: list[tuple[float, Layout]] = []  # for the infeasible report
     capacity = cluster.gpu.memory_bytes
+    resharded: dict[Layout, Prediction] = {}  # ZeRO-3 layouts that fit, for their kept twins
     last_report = time.perf_counter()
     for cross in (False, True):
         for tp in tp_degrees(base, cluster, cross):
@@ -142,6 +150,9 @@ def search(
                         continue  # autopar.parallelize searches only what it runs
                     if layout.pp > 1 and cluster.gpu.is_cpu:
                         continue  # see the note above search()
+                    if not layout.reshard and not _keeping_may_pay(resharded.get(dataclasses.replace(
+                            layout, reshard=True)), cluster):
+                        continue
                     try:
                         check_layout(facts, cluster, layout)
                     except LayoutError:
@@ -154,6 +165,8 @@ def search(
                         continue
                     stats["fit"] += 1
                     pred = predict(facts, cluster, layout, memory=mem)
+                    if layout.zero == 3 and layout.reshard:
+                        resharded[layout] = pred
                     if best is None or pred.step_time_s < best[1].step_time_s - 1e-12:
                         best = (layout, pred, facts, recipe_name)
                     if progress and best and time.perf_counter() - last_report > 1.0:
@@ -172,6 +185,16 @@ def search(
         return None, None, None, stats
     stats["tp_recipe"] = best[3]
     return best[0], best[1], best[2], stats
+
+
+def _keeping_may_pay(resharded: Prediction | None, cluster: Cluster) -> bool:
+    """Whether ZeRO-3 keeping the forward's gathered weights can beat its resharding twin
+    (``resharded``: the twin's price, None when it did not fit): keeping needs more memory
+    than the twin, and saves only the backward's gathers: their exposed seconds and, where
+    overlap slows compute (`CostParams.overlap_slowdown`), their hidden ones."""
+    if resharded is None:
+        return False
+    return resharded.time_breakdown["dp_comm_exposed_s"] > 0 or cluster.params.overlap_slowdown > 0
 
 
 @dataclass

@@ -219,6 +219,8 @@ def stage_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMem
     n = max(facts.n_layers, 0)
     rec = recipe(layout.precision, layout.fp32_grad_accum)
     per_param = sum(model_state_bytes(1.0, rec, layout.zero, layout.dp * layout.cp).values())
+    if layout.zero == 3 and not layout.reshard and layout.dp * layout.cp > 1:
+        per_param += rec.param_bytes  # the forward's gathered weights, kept to the backward
     static = _slot_params(facts, layout) * per_param
     choice = fixed_choice(facts, layout) if layout.recompute != "auto" else RecomputeChoice("none")
     act, transient = activation_memory(facts, local_saved_bytes(facts, cluster, layout),

@@ -37,7 +37,7 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     (FSDP's default: gradients stay sharded), in 25 MiB buckets (`bucketed`), and ZeRO-1/2
     all-gather the updated weights once per step, block by block, after the optimizer
     (exposed). ZeRO-3 gathers every block's weights for the forward and the backward of every
-    micro-batch, prefetched one block ahead.
+    micro-batch (for the forward only with ``reshard`` False), prefetched one block ahead.
 
     One budget of compute hides everything, counted once: the reductions hide behind the
     slowest stage's backward (and recompute) that the TP collectives do not already occupy
@@ -76,8 +76,10 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     exposed = syncs * (sync - hidden_sync + params.overlap_slowdown * hidden_sync) + after
     total = syncs * sync + after
     if lay.zero == 3:
-        # prefetched one block ahead: hidden behind what that micro-batch's compute has left
-        gather = 2 * blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
+        # prefetched one block ahead: hidden behind what that micro-batch's compute has left;
+        # for the forward and again for the backward unless the gathered weights are kept
+        gathers = 2 if lay.reshard else 1
+        gather = gathers * blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
         left = fwd_s + bwd_s + recompute_s - tp_hidden_fwd_s - tp_hidden_bwd_s - hidden_sync
         hidden = min(gather, overlap * max(0.0, left))
         exposed += m * (gather - hidden + params.overlap_slowdown * hidden)

@@ -87,17 +87,26 @@ def columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
 def rebuilt_peak(local: np.ndarray, spans: np.ndarray, layer: np.ndarray) -> float:
     """The most bytes one block's backward holds in rebuilt copies at once: a sweep over each
     block's (made, dead) spans (a death at position t frees before a making at t + 1)."""
+    return float(rebuilt_peaks(local, spans, layer, np.zeros(len(local), dtype=int), 1)[0])
+
+
+def rebuilt_peaks(local: np.ndarray, spans: np.ndarray, layer: np.ndarray, group: np.ndarray,
+                  groups: int) -> np.ndarray:
+    """`rebuilt_peak` per group of rows (a block's rows all in one group: its pipeline stage)."""
+    out = np.zeros(groups)
     rows = np.flatnonzero(spans[:, 0] >= 0)
     if not len(rows):
-        return 0.0
+        return out
     t = np.concatenate([spans[rows, 0], spans[rows, 1] + 1])
     kind = np.concatenate([np.ones(len(rows)), np.zeros(len(rows))])  # deaths first at a tie
     delta = np.concatenate([local[rows], -local[rows]])
     block = np.concatenate([layer[rows], layer[rows]])
+    owner = np.concatenate([group[rows], group[rows]])
     # each block's events sum to zero, so one running sum in (block, time) order is each
     # block's own
     order = np.lexsort((kind, t, block))
-    return float(max(0.0, np.cumsum(delta[order]).max()))
+    np.maximum.at(out, owner[order], np.cumsum(delta[order]))
+    return out
 
 
 def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -130,16 +139,19 @@ def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp
 def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
                              choices: tuple[RecomputeChoice, ...]) -> tuple[np.ndarray, np.ndarray]:
     """`activation_memory` with a choice per pipeline stage: (saved bytes of one micro-batch
-    per stage, transient bytes per stage); stage s's rows counted under ``choices[s]``."""
+    per stage, transient bytes per stage: twice the stage's largest kept value and its
+    backward's rebuilt peak); stage s's rows counted under ``choices[s]``."""
     pp = len(choices)
-    per_stage, transient = np.zeros(pp), np.zeros(pp)
+    per_stage, largest, rebuilt = np.zeros(pp), np.zeros(pp), np.zeros(pp)
     for choice in set(choices):
         cols = columns(facts, choice)
-        for s in (s for s in range(pp) if choices[s] == choice):
-            on = local * (stage == s)
-            kept, extra = activation_memory(facts, on, np.zeros(len(on), dtype=int), 1, cols)
-            per_stage[s], transient[s] = kept[0], extra
-    return per_stage, transient
+        mine = local if len(set(choices)) == 1 else \
+            local * np.isin(stage, [s for s in range(pp) if choices[s] == choice])
+        kept = mine * cols.kept
+        per_stage += np.bincount(stage, weights=kept, minlength=pp)
+        np.maximum.at(largest, stage, kept)
+        rebuilt = np.maximum(rebuilt, rebuilt_peaks(mine, cols.rebuilt, facts.saved.layer, stage, pp))
+    return per_stage, 2.0 * largest + rebuilt
 
 
 def staged_rerun(facts: StepFacts, choices: tuple[RecomputeChoice, ...], node_stage: np.ndarray) -> np.ndarray:

@@ -159,3 +159,23 @@ def test_fp8_auto_keeps_fp8_only_where_it_pays(llama_step):
     assert predict(facts, cpu, lay.replace(fp8="all")).step_time_s > predict(facts, cpu, lay).step_time_s
     with pytest.raises(LayoutError, match="no weight read by a matmul"):
         predict(facts, H100_8, lay.replace(fp8=("layers.*.nope.weight",)))
+
+
+def test_zero3_keeping_the_gathered_weights_trades_a_gather_for_memory(llama_step):
+    """ZeRO-3 without resharding after the forward: one all-gather of the weights per block and
+    micro-batch instead of two, and the device's whole weights held from the forward to the
+    backward (beside its shard)."""
+    _, model, _, step = llama_step
+    facts = step.facts()
+    common = dict(dp=8, zero=3, microbatch=1, grad_accum=2, precision="bf16", recompute="none")
+    reshard = predict(facts, H100_8, Layout(**common))
+    kept = predict(facts, H100_8, Layout(**common, reshard=False))
+    gathers = reshard.time_breakdown["dp_comm_total_s"] - kept.time_breakdown["dp_comm_total_s"]
+    assert gathers > 0 and kept.step_time_s <= reshard.step_time_s
+    weights = sum(p.numel() for p in model.parameters()) * 2  # bf16
+    # the whole weights in place of the two blocks' worth ZeRO-3 gathers at a time
+    assert kept.memory_breakdown["buffers"] >= weights > reshard.memory_breakdown["buffers"]
+    assert kept.memory_breakdown["params"] == reshard.memory_breakdown["params"]  # the shard
+    assert Layout(**common, reshard=False).short().startswith("dp8 zero3 no-reshard")
+    assert Layout(dp=8, zero=1, reshard=False).reshard  # only ZeRO-3 drops gathered weights
+    assert Layout.from_dict(Layout(**common, reshard=False).to_dict()).reshard is False

@@ -64,6 +64,7 @@ def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_dp_and_zero_match_one_device(world):
     layouts = [{"dp": world, "zero": zero} for zero in STAGES]
+    layouts.append({"dp": world, "zero": 3, "reshard": False})  # the forward's weights kept
     results = spawn(_layouts_worker, world, args=(layouts,), timeout_s=600)
     assert results == [[]] * world
 
@@ -173,6 +174,12 @@ def _errors_worker(rank: int, world: int) -> list[str]:
              if "_c10d_functional" in line and "wait_tensor" not in line]
     seen.append(("tp", len(lines), all("# TP" in line for line in lines),
                  sum("reduce_scatter" in line for line in lines), sum("all_gather" in line for line in lines)))
+    kept = parallelize(model, world, example_inputs=batch,
+                       layout=autopar.Layout(dp=world, zero=3, reshard=False, microbatch=4 // world,
+                                             precision="fp32"))
+    lines = [line for line in kept.dump_graph().splitlines()
+             if "all_gather_into_tensor" in line and "wait_tensor" not in line]
+    seen.append(("kept", len(lines), all("for the forward and backward" in line for line in lines)))
     return seen
 
 
@@ -181,14 +188,16 @@ def test_bad_input_and_dump_graph():
     seen = results[0]
     assert seen[:7] == ["mesh", "batch", "accum"] + ["refused"] * 3 + ["model"]
     assert "uncommented collective" not in seen
-    gathers, reductions, groups = seen[-3]
+    gathers, reductions, groups = seen[-4]
     assert gathers == groups  # tiny-llama: every weight's first dim divides by 2
     assert reductions == 1 + 1  # one reduce-scatter bucket, plus the loss
     # ZeRO-3: one gather per block and pass, plus one per module outside the blocks; the
     # backward never reads the (untied) embedding's weight: its gradient is a scatter-add
-    _, count, groups, forward, backward = seen[-2]
+    _, count, groups, forward, backward = seen[-3]
     assert (forward, backward) == (groups, groups - 1) and count == 2 * groups - 1
-    _, count, all_tp, scatters, gathers = seen[-1]
+    # ZeRO-3 keeping the forward's gathered weights: one gather per block, read by both passes
+    assert seen[-1] == ("kept", groups, True)
+    _, count, all_tp, scatters, gathers = seen[-2]
     # TP+SP on 2 blocks: 2 reduce-scatters and 2 gathers per block and pass, plus the embedding's
     # reduce-scatter and the final norm's gather (forward) / the logits' reduce-scatter (backward)
     assert all_tp and count > 0
