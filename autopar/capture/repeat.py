@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import fx, nn
 
@@ -297,20 +298,42 @@ def expand(small: TrainingGraph, stack: BlockStack) -> TrainingGraph:
     def number(n: fx.Node) -> int:
         return int(n.name.removeprefix("primals_")) if n.name.startswith("primals_") else 0
 
-    tensors1 = [n for n in nodes if n.op == "placeholder" and block[n] == 1]
-    tensors2 = [n for n in nodes if n.op == "placeholder" and block[n] == 2]
-    first_primal = min((number(n) for n in tensors1), default=0)
-    last_primal = max((number(n) for n in tensors1 + tensors2), default=0)
+    # The middle blocks' tensors go where block 1's were traced: each run of block 1's
+    # placeholders (its parameters, later its buffers) becomes that run for blocks 1..L-2.
+    holders = [n for n in nodes if n.op == "placeholder"]
+    twin = {suffix[n]: n for n in holders if block[n] == 2}
+    runs: list[list[fx.Node]] = []
+    for i, n in enumerate(holders):
+        if block[n] == 1:
+            if i and block[holders[i - 1]] == 1:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+    if sorted(suffix[n] for run in runs for n in run) != sorted(twin):
+        raise NotRepeatable("blocks 1 and 2 have different tensors")
+    # AOTAutograd numbers the placeholders primals_1.. in order (tied ones leave gaps): a
+    # placeholder after k of block 1's runs moves by the extra blocks' copies of them
+    run_of = {n: r for r, run in enumerate(runs) for n in run}
+    primal_set = {n for n in holders if spec.get(n.name) is None
+                  or spec[n.name].kind not in ("tangent", "zero_tangent")}
+    new_primals: list[tuple[fx.Node, int | None]] = []  # in the new graph's order
+    grown = np.cumsum([0] + [extra * len(run) for run in runs])
 
-    def placeholder(src: fx.Node, copy: int | None) -> None:
-        # AOTAutograd numbers the placeholders primals_1.. in order (tied ones leave gaps)
+    def shift(n: fx.Node) -> int:
+        """How far ``n``'s number moves: the extra copies of the runs before it."""
+        return int(grown[sum(1 for run in runs if number(run[0]) < number(n))])
+
+    def placeholder(src: fx.Node, copy: int | None, anchor: fx.Node | None = None) -> None:
         name = src.name
-        if copy is not None:
-            name = f"primals_{first_primal + (copy - 1) * len(tensors2) + tensors2.index(src)}"
-        elif number(src) > last_primal:
-            name = f"primals_{number(src) + extra * len(tensors2)}"
+        if copy is not None:  # anchor: block 1's placeholder of this run and position
+            run = runs[run_of[anchor]]
+            name = f"primals_{number(run[0]) + shift(run[0]) + (copy - 1) * len(run) + run.index(anchor)}"
+        elif number(src):
+            name = f"primals_{number(src) + shift(src)}"
         node = new.placeholder(name)
         fix_meta(node, src, copy)
+        if src in primal_set:
+            new_primals.append((src, copy))
         s = spec.get(src.name)
         if s is not None:
             b = block[src]
@@ -347,20 +370,15 @@ def expand(small: TrainingGraph, stack: BlockStack) -> TrainingGraph:
         fix_meta(node, src, copy)
         env[(src, copy)] = node
 
-    # placeholders: the middle blocks' tensors where block 1's were traced
-    for n in nodes:
-        if n.op != "placeholder":
-            continue
-        if block[n] == 1:
-            continue
+    for n in holders:
         if block[n] == 2:
-            if not any(block[m] == 2 for m in nodes[:nodes.index(n)] if m.op == "placeholder"):
-                for copy in range(1, L - 1):
-                    for m in nodes:
-                        if m.op == "placeholder" and block[m] == 2:
-                            placeholder(m, copy)
             continue
-        placeholder(n, None)
+        if block[n] != 1:
+            placeholder(n, None)
+        elif n is runs[run_of[n]][0]:
+            for copy in range(1, L - 1):
+                for m in runs[run_of[n]]:
+                    placeholder(twin[suffix[m]], copy, anchor=m)
 
     # the body: each run of middle-block nodes is block 1 then block 2 (forward) or 2 then 1
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
@@ -385,34 +403,50 @@ def expand(small: TrainingGraph, stack: BlockStack) -> TrainingGraph:
                 emit(two[pos[m]], copy)
         i = j
 
-    # the output: the middle blocks' gradients (and buffers) where block 1's were, in block order
+    # The output: the forward's outputs (the buffers' new values first, block by block: the
+    # middle blocks' where block 1's were), then one gradient slot per primal placeholder, in
+    # the new placeholders' order (None for buffers and inputs).
     out_node = nodes[-1]
+    outs = list(out_node.args[0])
+    primals = [n for n in holders if spec.get(n.name) is None or spec[n.name].kind not in ("tangent", "zero_tangent")]
+    lead = len(outs) - len(primals)
     by_index = {o.index: o for o in small.outputs}
-    middle = [o for o in small.outputs if o.kind in ("grad", "buffer") and stack.index(o.name) in (1, 2)]
-    firsts = {}
-    for o in middle:
-        firsts.setdefault(o.kind, o)
+    if lead < 0 or any(o.kind == "grad" and (o.index < lead or spec[primals[o.index - lead].name].name != o.name)
+                       for o in small.outputs):
+        raise NotRepeatable("the gradient outputs are not one per input in order")
+    middle = [o for o in small.outputs if o.index < lead and o.kind == "buffer" and stack.index(o.name) in (1, 2)]
     values, new_outputs = [], []
-    for index, value in enumerate(out_node.args[0]):
-        o = by_index.get(index)
-        b = stack.index(o.name) if o is not None and o.kind in ("grad", "buffer") else None
+
+    def put(value, o: GraphOutput | None, name: str | None = None) -> None:
+        if o is not None:
+            new_outputs.append(GraphOutput(len(values), o.kind, name or o.name))
+        values.append(value)
+
+    for index in range(lead):
+        value, o = outs[index], by_index.get(index)
+        b = stack.index(o.name) if o is not None and o.kind == "buffer" else None
         if b in (1, 2):
-            if o is firsts[o.kind]:
-                template = [x for x in middle if x.kind == o.kind and stack.index(x.name) == 2]
-                if len(template) * 2 != sum(x.kind == o.kind for x in middle):
-                    raise NotRepeatable(f"blocks 1 and 2 have different {o.kind} outputs")
+            if o is middle[0]:
+                template = [x for x in middle if stack.index(x.name) == 2]
+                if len(template) * 2 != len(middle):
+                    raise NotRepeatable("blocks 1 and 2 update different buffers")
                 for copy in range(1, L - 1):
                     for x in template:
-                        v = out_node.args[0][x.index]
-                        new_outputs.append(GraphOutput(len(values), x.kind, stack.rename(x.name, copy)))
-                        values.append(None if v is None else env[(v, copy)])
+                        put(env[(outs[x.index], copy)], x, stack.rename(x.name, copy))
             continue
         if isinstance(value, fx.Node) and block.get(value) in (1, 2):
             raise NotRepeatable(f"output {index} is a value of a middle block")
-        if o is not None:
-            name = o.name if b is None else stack.rename(o.name, instance_of(b))
-            new_outputs.append(GraphOutput(len(values), o.kind, name))
-        values.append(fx.node.map_arg(value, lambda a: arg_of(a, None, None)))
+        put(fx.node.map_arg(value, lambda a: arg_of(a, None, None)), o,
+            None if b is None else stack.rename(o.name, instance_of(b)))
+    slot = {n: lead + i for i, n in enumerate(primals)}
+    for src, copy in new_primals:
+        value, o = outs[slot[src]], by_index.get(slot[src])
+        if copy is not None:
+            put(None if value is None else env[(value, copy)], o, o and stack.rename(o.name, copy))
+        else:
+            b = block.get(src)
+            put(fx.node.map_arg(value, lambda a: arg_of(a, None, None)), o,
+                o and (o.name if b is None else stack.rename(o.name, instance_of(b))))
     out = new.output(type(out_node.args[0])(values))
     out.meta = dict(out_node.meta)
     out.meta.pop("desc", None)  # the traced graph's descriptors name four blocks

@@ -119,3 +119,47 @@ def test_blocks_that_do_not_repeat_are_traced_whole():
 def test_transformers_stack_repeats_exactly(family):
     hf_tiny = pytest.importorskip("hf_tiny")
     assert_same_graph(hf_tiny.build(family, layers=6), hf_tiny.batch(2, 16))
+
+
+class _NormBlock(nn.Module):
+    """A block with running statistics (buffers the forward updates) and a loss outside."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(h, h)
+        self.bn = nn.BatchNorm1d(h)
+
+    def forward(self, x):
+        y = self.bn(self.fc(x).flatten(0, 1)).view_as(x)
+        return x + torch.relu(y)
+
+
+class _Trunk(nn.Module):
+    def __init__(self, blocks: int = 6, h: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_NormBlock(h) for _ in range(blocks))
+        self.out = nn.Linear(h, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def test_buffers_updated_in_blocks_and_a_loss_fn_repeat_exactly():
+    torch.manual_seed(0)
+    model = _Trunk()
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    loss_fn = nn.functional.mse_loss
+    assert_same_graph(model, (x, y), loss_fn=loss_fn)
+    graph = capture(model, (x, y), loss_fn=loss_fn)
+    assert graph.capture_note.startswith("traced 4 of the 6")
+    assert sum(o.kind == "buffer" for o in graph.outputs) == 6 * 3  # mean, var, batch count
+    # the step runs like eager, the running statistics of every block updated
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    loss, grads = graph.run(dict(model.named_parameters()), x, y, buffers=buffers)
+    eager = loss_fn(model(x), y)
+    eager.backward()
+    assert torch.allclose(loss, eager.detach(), rtol=1e-5)
+    assert all(torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-6) for n, p in model.named_parameters())
+    assert all(torch.allclose(buffers[n], b) for n, b in model.named_buffers())
