@@ -64,6 +64,7 @@ from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM,
 from cost.terms.pipeline_parallel import p2p_time, pipeline_time, shared_host_factor
 from cost.terms.recompute import (
     choose_auto,
+    columns,
     fixed_choice,
     local_saved_bytes,
     rerun_per_stage,
@@ -333,6 +334,11 @@ def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tup
         if np.all(kept * flight + transient <= room):  # no stage needs to recompute
             facts._memo[key] = none
             return none
+        # each stage alone: its rows and nodes; the step's largest value counts on every stage
+        # (`staged_activation_memory`), so a stage whose own largest is smaller has less room
+        largest = np.zeros(lay.pp)
+        np.maximum.at(largest, saved_stage, local * columns(facts, none[0]).kept)
+        room = room - 2.0 * (largest.max() - largest)
         facts._memo[key] = tuple(
             choose_auto(facts, local * (saved_stage == s), np.zeros_like(saved_stage), np.array([_flight(lay, s)]),
                         room[s:s + 1], np.zeros_like(node_stage), times * (node_stage == s), (fwd + bwd)[s:s + 1])

@@ -199,6 +199,9 @@ class StepFacts:
     # zero-bubble's stash per slot (-1 .. L), whole batch: the input halves' values the weight
     # halves read (`passes.pipeline_split.weight_half_reads`), held until each W runs
     zb_stash_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # pipeline cuts balance time under each stage's memory (`cost.stages.StageMemory`); False:
+    # by time alone, how measured runs of a framework that cuts so are priced (`RunPricer`)
+    memory_cuts: bool = True
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -15,6 +15,7 @@ gradient accumulation, SP where tp > 1, 1F1B, no recomputation.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -219,8 +220,9 @@ class RunPricer:
         if key not in self._facts:
             step = self._step(run.model, run.seq)
             base = step.facts_for(self.cluster(run.nodes), run.layout)
-            self._facts[key] = base.rebatch(run.global_batch) if base.batch != run.global_batch \
-                else base
+            # the runs' framework cut its pipelines by compute, not under each stage's memory:
+            # priced so, a run that ran out of memory is not made to fit by a better cut
+            self._facts[key] = dataclasses.replace(base.rebatch(run.global_batch), memory_cuts=False, _memo={})
         return self._facts[key]
 
     def _step(self, model: str, seq: int):

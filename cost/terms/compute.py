@@ -190,7 +190,7 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
             blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]))
             facts._memo[key] = (cost, np.concatenate([[0], blocks, [chunks - 1]]).astype(int))
     cost, chunk_map = facts._memo[key]
-    if cost is None or virtual_stages(layout) > 1:
+    if cost is None or virtual_stages(layout) > 1 or not facts.memory_cuts:
         return chunk_map
     # the cut that balances time may not fit: 1F1B's first stage holds pp micro-batches
     mem_key = ("chunk_map_memory", id(chunk_map), _memory_key(cluster, layout))
