@@ -35,7 +35,7 @@ def _check_lengths(table: object) -> None:
 
 # memo tags of `StepFacts._memo` that depend on the graph and the layout's degrees only, never
 # on the cluster (kept by `StepFacts.clear_memo`)
-GRAPH_ONLY_MEMOS = ("block_params", "tp_small_sites")
+GRAPH_ONLY_MEMOS = ("block_params", "tp_small_sites", "columns", "rebuilt_sweep")
 
 
 def _scale_where(values: np.ndarray, mask: np.ndarray, r: float) -> np.ndarray:

@@ -65,7 +65,15 @@ def fixed_choice(facts: StepFacts, layout: Layout) -> RecomputeChoice:
 
 
 def columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
-    """The kept, rebuilt and rerun rows of ``choice`` (the module docstring's composition)."""
+    """The kept, rebuilt and rerun rows of ``choice`` (the module docstring's composition;
+    memoised: they depend on the graph alone)."""
+    key = ("columns", choice)
+    if key not in facts._memo:
+        facts._memo[key] = _columns(facts, choice)
+    return facts._memo[key]
+
+
+def _columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
     saved, nodes = facts.saved, facts.nodes
     if choice.mode == "none":
         return RecomputeColumns(saved.kept_none, np.full((len(saved), 2), -1), np.zeros(len(nodes), bool))
@@ -91,22 +99,28 @@ def rebuilt_peak(local: np.ndarray, spans: np.ndarray, layer: np.ndarray) -> flo
 
 
 def rebuilt_peaks(local: np.ndarray, spans: np.ndarray, layer: np.ndarray, group: np.ndarray,
-                  groups: int) -> np.ndarray:
-    """`rebuilt_peak` per group of rows (a block's rows all in one group: its pipeline stage)."""
+                  groups: int, sweep: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """`rebuilt_peak` per group of rows (a block's rows all in one group: its pipeline stage).
+    ``sweep``: `rebuilt_sweep` of ``spans`` and ``layer``, when the caller keeps it."""
     out = np.zeros(groups)
-    rows = np.flatnonzero(spans[:, 0] >= 0)
+    rows, order = sweep if sweep is not None else rebuilt_sweep(spans, layer)
     if not len(rows):
         return out
-    t = np.concatenate([spans[rows, 0], spans[rows, 1] + 1])
-    kind = np.concatenate([np.ones(len(rows)), np.zeros(len(rows))])  # deaths first at a tie
     delta = np.concatenate([local[rows], -local[rows]])
-    block = np.concatenate([layer[rows], layer[rows]])
     owner = np.concatenate([group[rows], group[rows]])
-    # each block's events sum to zero, so one running sum in (block, time) order is each
-    # block's own
-    order = np.lexsort((kind, t, block))
     np.maximum.at(out, owner[order], np.cumsum(delta[order]))
     return out
+
+
+def rebuilt_sweep(spans: np.ndarray, layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows rebuilt and the order of their (made, dead) events: by block, time, deaths
+    first at a tie. Each block's events sum to zero, so one running sum in this order is each
+    block's own."""
+    rows = np.flatnonzero(spans[:, 0] >= 0)
+    t = np.concatenate([spans[rows, 0], spans[rows, 1] + 1])
+    kind = np.concatenate([np.ones(len(rows)), np.zeros(len(rows))])
+    block = np.concatenate([layer[rows], layer[rows]])
+    return rows, np.lexsort((kind, t, block))
 
 
 def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -156,7 +170,11 @@ def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndar
         kept = mine * cols.kept
         per_stage += np.bincount(stage, weights=kept, minlength=pp)
         np.maximum.at(largest, stage, kept)
-        rebuilt = np.maximum(rebuilt, rebuilt_peaks(mine, cols.rebuilt, facts.saved.layer, stage, pp))
+        key = ("rebuilt_sweep", choice)
+        if key not in facts._memo:
+            facts._memo[key] = rebuilt_sweep(cols.rebuilt, facts.saved.layer)
+        rebuilt = np.maximum(rebuilt, rebuilt_peaks(mine, cols.rebuilt, facts.saved.layer, stage, pp,
+                                                    facts._memo[key]))
     return per_stage, 2.0 * largest.max() + rebuilt
 
 
