@@ -193,9 +193,9 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     if cost is None or virtual_stages(layout) > 1 or not facts.memory_cuts:
         return chunk_map
     # the cut that balances time may not fit: 1F1B's first stage holds pp micro-batches
-    mem_key = ("chunk_map_memory", id(chunk_map), _memory_key(cluster, layout))
+    mem_key = ("chunk_map_memory", id(chunk_map), layout, cluster.gpu.memory_bytes, cluster.params)
     if mem_key not in facts._memo:
-        memory = stage_memory(facts, cluster, layout)
+        memory = slot_memory(facts, cluster, layout)
         if memory.fits(chunk_map[1:-1], chunks):
             facts._memo[mem_key] = (chunk_map, chunk_map)
         else:
@@ -204,14 +204,7 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     return facts._memo[mem_key][1]  # the time cut kept alive with it: its id is the key
 
 
-def _memory_key(cluster: Cluster, lay: Layout) -> tuple:
-    """What a stage's memory depends on beyond the node times."""
-    return (lay.zero, lay.dp, lay.cp, lay.tp, lay.sp, lay.ep, lay.microbatch, lay.grad_accum,
-            lay.schedule, lay.recompute, lay.precision, lay.fp32_grad_accum, cluster.gpu.memory_bytes,
-            cluster.params.memory_reserve_bytes, cluster.params.activation_fragmentation)
-
-
-def stage_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemory:
+def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemory:
     """Each slot's model state and saved activations on one device, for cuts under the memory
     (`cost.stages.StageMemory`), as `cost.step.predict_memory` counts them: the layout's
     recompute choice ("auto": none, the cut that fits without recomputing), zero-bubble's

@@ -190,17 +190,13 @@ def test_pipeline_stages_choose_apart():
     squeezed below the first stage's need, "auto" recomputes there and keeps everything on the
     later stages, a shorter step than any one choice for all stages that fits; the plan lists
     each stage's choice and its JSON keeps them."""
-    import torch
+    from meta_steps import llama_like
 
-    from autopar.search.step import captured_step
     from cost import Cluster, Layout
     from cost.step import recompute_choices, stage_memory
 
-    cfg = dataclasses.replace(models.config("llama3-8b"), n_layers=8, hidden=1024, n_heads=8,
-                              n_kv_heads=8, ffn=3072, vocab=4000)
-    model = models.build(cfg, device="meta", dtype=torch.bfloat16)
-    step = captured_step(model, models.example_inputs(cfg, batch=16, seq=2048, device="meta"), None,
-                         torch.bfloat16)
+    model, step = llama_like(16, 2048, n_layers=8, hidden=1024, n_heads=8, n_kv_heads=8, ffn=3072,
+                             vocab=4000)
     facts = step.facts()
     roomy = Cluster("h100", nodes=1, gpus_per_node=8)
     base = dict(pp=8, microbatch=2, grad_accum=8, precision="bf16")  # one block a stage: no cut helps
@@ -217,8 +213,8 @@ def test_pipeline_stages_choose_apart():
     uniform += [Layout(**base, recompute=m) for m in ("selective", "full")]
     fitting = [predict(facts, tight, lay) for lay in uniform if predict(facts, tight, lay).fits]
     assert fitting and staged.step_time_s < min(p.step_time_s for p in fitting)
-    plan = autopar.plan(model, models.example_inputs(cfg, batch=16, seq=2048, device="meta"), cluster=tight,
-                        layout=auto)
+    plan = autopar.plan(model, models.example_inputs(model.config, batch=16, seq=2048, device="meta"),
+                        cluster=tight, layout=auto)
     assert plan.decisions.recompute_per_stage == choices
     assert "stage 0: selective" in plan.summary() and "stage 7: none" in plan.summary()
     again = PlanDecisions.from_dict(plan.decisions.to_dict())

@@ -5,16 +5,14 @@ import dataclasses
 import itertools
 
 import numpy as np
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from meta_steps import llama_like
 
-from autopar import models
-from autopar.search.step import captured_step
 from cost import Cluster, Layout
 from cost.stages import StageMemory, balanced_cuts
 from cost.step import predict
-from cost.terms.compute import slot_stages, stage_memory
+from cost.terms.compute import slot_memory, slot_stages
 
 
 def _brute_force(cost, pp, before, after):
@@ -83,23 +81,20 @@ def test_cuts_under_memory_equal_brute_force(cost, data, before, after, budget):
 def test_a_tight_device_moves_blocks_off_the_first_stage():
     """1F1B's first stage holds pp micro-batches of activations: where the cut that balances
     time does not fit there, the solver's cut gives the first stage fewer blocks and fits."""
-    cfg = dataclasses.replace(models.config("llama3-8b"), n_layers=8, hidden=1024, n_heads=8,
-                              n_kv_heads=8, ffn=3072, vocab=32000)
-    model = models.build(cfg, device="meta", dtype=torch.bfloat16)
-    step = captured_step(model, models.example_inputs(cfg, batch=16, seq=2048, device="meta"), None,
-                         torch.bfloat16)
+    _, step = llama_like(16, 2048, n_layers=8, hidden=1024, n_heads=8, n_kv_heads=8, ffn=3072,
+                         vocab=32000)
     facts = step.facts()
     lay = Layout(pp=4, microbatch=2, grad_accum=8, precision="bf16", recompute="none")
     roomy = Cluster("h100", nodes=1, gpus_per_node=4)
     balanced = slot_stages(facts, roomy, lay)[1:-1]
-    memory = stage_memory(facts, roomy, lay)
+    memory = slot_memory(facts, roomy, lay)
     first = memory.stage_bytes(0, 0, int(np.bincount(balanced)[0]), 4)
     shared = roomy.gpu.memory_bytes - memory.budget  # reserve, buffers, transient
     assert first == max(memory.stage_bytes(k, *np.searchsorted(balanced, [k, k + 1]), 4) for k in range(4))
     tight = Cluster("h100", nodes=1, gpus_per_node=4,
                     gpu=dataclasses.replace(roomy.gpu, memory_bytes=shared + 0.95 * first))
     cut = slot_stages(facts, tight, lay)[1:-1]
-    assert not stage_memory(facts, tight, lay).fits(balanced, 4)  # time's cut overflows stage 0
+    assert not slot_memory(facts, tight, lay).fits(balanced, 4)  # time's cut overflows stage 0
     assert np.bincount(cut)[0] < np.bincount(balanced)[0] and len(cut) == 8
     assert predict(facts, tight, lay).fits
 
@@ -114,11 +109,8 @@ def test_a_heavy_head_gets_a_short_last_stage():
     """A large vocabulary: the head and loss weigh about two blocks, so the last stage holds
     fewer blocks than a middle one, and the step is shorter than the even split's (the cut
     weighs each block by its step seconds, kernel floors and memory-bound ops included)."""
-    cfg = dataclasses.replace(models.config("llama3-8b"), n_layers=8, hidden=512, n_heads=8,
-                              n_kv_heads=8, ffn=1536, vocab=131072)
-    model = models.build(cfg, device="meta", dtype=torch.bfloat16)
-    step = captured_step(model, models.example_inputs(cfg, batch=8, seq=1024, device="meta"), None,
-                         torch.bfloat16)
+    _, step = llama_like(8, 1024, n_layers=8, hidden=512, n_heads=8, n_kv_heads=8, ffn=1536,
+                         vocab=131072)
     facts = step.facts()
     cluster = Cluster("h100", nodes=1, gpus_per_node=4)
     lay = Layout(pp=4, microbatch=1, grad_accum=8, precision="bf16")

@@ -11,8 +11,6 @@ under SP). Keeping the gathers measured 71.8 MiB (selective) and 43.3 MiB (full)
 
 import dataclasses
 
-import torch
-
 from runtime.launch import spawn
 
 MODES = ("none", "selective", "full")
@@ -21,11 +19,10 @@ MODES = ("none", "selective", "full")
 def _worker(rank: int, world: int) -> dict:
     import warnings
 
-    from torch.distributed.tensor import DTensor
+    from rank_memory import rank_peak_extra_bytes
 
     import autopar
     from autopar import models
-    from runtime.memory import peak_live_bytes
 
     warnings.filterwarnings("ignore")
     cfg = dataclasses.replace(models.config("tiny-llama"), name="llama-4x256", n_layers=4, hidden=256,
@@ -36,20 +33,8 @@ def _worker(rank: int, world: int) -> dict:
         batch = models.example_inputs(cfg, batch=4, seq=512)
         pm = autopar.parallelize(model, world, example_inputs=batch,
                                  layout=autopar.Layout(tp=2, sp=True, precision="fp32", recompute=mode))
+        measured = rank_peak_extra_bytes(pm, batch)  # TP ranks all read the whole batch
         graph = pm._rank_graph
-        params = dict(pm.named_parameters())
-        args = []
-        for kind, name in graph.inputs:
-            if kind == "param":
-                p = params[name]
-                args.append(p.to_local() if isinstance(p, DTensor) else p.detach())
-            elif kind == "input":
-                args.append(batch[int(name)])
-            else:  # the loss's seed: tp only, one micro-batch
-                assert kind == "tangent", kind
-                args.append(torch.ones(()))
-        with torch.no_grad():
-            measured = peak_live_bytes(graph.gm, *args).extra_bytes
         mem = pm.plan.predicted.memory_breakdown
         regathers = sum(1 for n in graph.gm.graph.nodes
                         if "recomputes" in n.meta and "all_gather" in str(n.target))

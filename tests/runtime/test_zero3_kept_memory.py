@@ -11,19 +11,16 @@ two blocks' worth resharding holds at a time; the plan's buffers differ by that.
 
 import dataclasses
 
-import torch
-
 from runtime.launch import spawn
 
 
 def _worker(rank: int, world: int) -> dict:
     import warnings
 
-    from torch.distributed.tensor import DTensor
+    from rank_memory import rank_peak_extra_bytes
 
     import autopar
     from autopar import models
-    from runtime.memory import peak_live_bytes
 
     warnings.filterwarnings("ignore")
     cfg = dataclasses.replace(models.config("tiny-llama"), name="llama-4x256", n_layers=4, hidden=256,
@@ -35,20 +32,8 @@ def _worker(rank: int, world: int) -> dict:
         pm = autopar.parallelize(model, world, example_inputs=batch,
                                  layout=autopar.Layout(dp=2, zero=3, reshard=reshard, precision="fp32",
                                                        recompute="none", grad_accum=1))
+        measured = rank_peak_extra_bytes(pm, batch, rank, world)
         graph = pm._rank_graph
-        params = dict(pm.named_parameters())
-        args = []
-        for kind, name in graph.inputs:
-            if kind == "param":
-                p = params[name]
-                args.append(p.to_local() if isinstance(p, DTensor) else p.detach())
-            elif kind == "input":
-                args.append(batch[int(name)].chunk(world)[rank])
-            else:  # the loss's seed
-                assert kind == "tangent", kind
-                args.append(torch.ones(()))
-        with torch.no_grad():
-            measured = peak_live_bytes(graph.gm, *args).extra_bytes
         gathers = sum("all_gather" in str(n.target) for n in graph.gm.graph.nodes)
         out[reshard] = (measured, pm.plan.predicted.memory_breakdown["buffers"], gathers,
                         sum(p.numel() for p in model.parameters()) * 4)
