@@ -12,7 +12,7 @@ import difflib
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .calibration import (
@@ -58,9 +58,9 @@ class HostShare:
     def busy_speedup(self, ranks: int, busy: float) -> float:
         """How much faster a rank computes when only a ``busy`` fraction of the ``ranks`` runs
         at once than when all do (1.0: no gain; `rank_share` at ranks * busy active ranks)."""
-        share = rank_share(self.threads, self.cores, ranks, self.threads_per_rank)[0]
-        cores_per_rank = min(float(self.threads_per_rank), self.cores / max(ranks * busy, 1e-9))
-        return cores_per_rank / min(self.threads, self.cores) / share
+        def share(active: float) -> float:
+            return rank_share(self.threads, self.cores, max(active, 1e-9), self.threads_per_rank)[0]
+        return share(ranks * busy) / share(ranks)
 
 
 # --- link datasheets and published measurements -----------------------------------------------
@@ -405,7 +405,7 @@ class Cluster:
             intra_efficiency=efficiency,
             base_latency=0.0,
             collective_fits=fits,
-            params=replace(CostParams(), p2p_overhead_s=cal.pipeline_overhead_s),
+            params=CostParams().replace(p2p_overhead_s=cal.pipeline_overhead_s),
             host_share=host,
             source=f"this machine, {where}",
         )._renamed("local")
@@ -546,7 +546,7 @@ def _host_memory_bytes() -> float:
         return GPUS["cpu"].memory_bytes
 
 
-def rank_share(threads: int, cores: int, ranks: int, threads_per_rank: int) -> tuple[float, float]:
+def rank_share(threads: int, cores: int, ranks: float, threads_per_rank: int) -> tuple[float, float]:
     """What one of ``ranks`` processes on a host of ``cores`` cores gets of rates calibrated by
     one process with ``threads`` threads: (rate factor, slow-down of single-threaded work).
 
