@@ -71,6 +71,8 @@ def _big_config():
 
 
 def _memory_worker(rank: int, world: int, path: str) -> dict:
+    import gc
+
     import autopar
 
     def peak() -> float:  # the process's peak resident set since the reset, bytes
@@ -79,30 +81,42 @@ def _memory_worker(rank: int, world: int, path: str) -> dict:
 
     cfg = _big_config()
     batch = models.example_inputs(cfg, batch=8, seq=16)
-    for name in ("parallelize", "plan"):  # load the libraries first (the autopar package is lazy)
-        getattr(autopar, name)
+    # Libraries first: the first `parallelize` of anything loads code and fills caches
+    # (tracing, DTensor, the solver: about 100 MB here, whatever the model). A 16-block model
+    # of width 64 pays that, so what is measured below is what the 1 GB model itself costs.
+    small = dataclasses.replace(cfg, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=256)
+    warm = autopar.parallelize(models.build(small, device="meta"), world,
+                               example_inputs=models.example_inputs(small, batch=8, seq=16),
+                               layout=autopar.Layout(dp=world, zero=3))
+    del warm
+    gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak to the current resident set (Linux)
     before = peak()
     model = models.build(cfg, device="meta")
     pm = autopar.parallelize(model, world, example_inputs=batch,
                              layout=autopar.Layout(dp=world, zero=3))
+    parallelized = peak()
     _load(pm, path)
     loaded = peak()
     loss = pm(*batch)
     loss.backward()
-    return {"loaded": loaded - before, "stepped": peak() - before, "loss": loss.item()}
+    return {"parallelized": parallelized - before, "loaded": loaded - before,
+            "stepped": peak() - before, "loss": loss.item()}
 
 
 @pytest.mark.slow
 def test_meta_model_memory_per_rank(tmp_path):
     """4 ranks, ZeRO-3, a 1.02 GB fp32 model: parallelising and filling a rank's shards grows
-    its peak resident memory by under half the model, where a whole copy would be 100 %.
+    its peak resident memory by at most 40 % of the model, where a whole copy would be 100 %.
 
-    Measured here (VmHWM after a reset): +345 MB at `parallelize` (the shards, 254 MB, and the
-    graph and plan), +127 MB while `dcp.load` reads the 131 MB embedding whole to take its
-    rows: 473 to 498 MB, 46 to 49 % of the model (the issue's 40 % is missed by the fixed
-    overhead and the checkpoint reader's transient). After one step: 1.15 to 1.23 GB."""
+    Measured here (VmHWM after a reset, libraries loaded): +247 to 258 MB at `parallelize`
+    (the shards: 254 MB; the graph and plan of a 16-block model are small), +134 MB while
+    `dcp.load` reads the 131 MB embedding whole to take its rows (torch's FileSystemReader
+    loads each stored tensor whole): 381 to 392 MB, 37 to 38 % of the model. Without the
+    warm-up the first `parallelize` of the process adds about 100 MB of library code and
+    caches (492 to 525 MB). After one step the peak is above the model: ZeRO-3's full-size
+    local gradients of the embedding and head, and gloo's reduce-scatter buffers."""
     cfg = _big_config()
     ref = models.build(cfg, seed=1)
     full = sum(p.numel() * p.element_size() for p in ref.parameters())
@@ -113,5 +127,6 @@ def test_meta_model_memory_per_rank(tmp_path):
     results = spawn(_memory_worker, 4, args=(str(tmp_path),), timeout_s=900)
     print({"model_bytes": full, **{f"rank{i}": r for i, r in enumerate(results)}})
     for r in results:
-        assert r["loaded"] <= 0.5 * full, (r, full)
+        assert r["parallelized"] <= 0.30 * full, (r, full)  # the shards (25 %) and little more
+        assert r["loaded"] <= 0.40 * full, (r, full)
         assert abs(r["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
