@@ -24,6 +24,8 @@ heads. DTensor's view rules split such a strided dim into (parts, heads, head_di
 the heads (a local view), and merge the backward's [b, s, 3, heads, head_dim] back into a
 strided [b, s, 3h]; the weight's gradient leaves as the weight's strided shard.
 
+MoE experts' grouped matmuls (`passes.grouped_matmul`) run column- or row-parallel by their
+weight's shard, every expert alike; a fused gate/up weight is split per part as q, k, v are.
 Ops with no DTensor strategy (e.g. MoE's index_add) run replicated, with a warning naming them.
 Each collective in the traced graph carries ``meta["autopar"]``: the decision behind it.
 """
@@ -48,6 +50,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cost.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
+from passes.grouped_matmul import is_grouped_backward, is_grouped_forward, is_grouped_weight_grad
 
 aten = torch.ops.aten
 
@@ -214,6 +217,13 @@ class _Interpreter:
                          and a.placements[0] == Replicate() else a for i, a in enumerate(args))
         if str(node.target) in self.replicated_ops:
             return self._replicated(node, args, kwargs, None)
+        if is_grouped_forward(node) or is_grouped_backward(node):
+            return self._grouped(node, args, kwargs)
+        if is_grouped_weight_grad(node):
+            return self._grouped_weight_grad(node, args, kwargs)
+        parts = _split_parts(node, args) or _cat_parts(node, args)
+        if parts is not None:
+            return parts
         why = (f"TP: {node} ({_op_name(node)}) cannot run on its inputs' placements; "
                "DTensor redistributes them")
         if node.target in _PARALLEL_LOSS:
@@ -285,6 +295,53 @@ class _Interpreter:
                 self.gathered[root] = x.redistribute(self.mesh, [Replicate()])
         return self.gathered[root]
 
+    def _grouped(self, node, args, kwargs):
+        """A grouped matmul, Y = X W per expert (forward) or (X, W, offs, dY) -> (dX, dW):
+        column-parallel where W [E, in, out] is sharded on ``out``, row-parallel where on
+        ``in`` (`passes.grouped_matmul`); computed on the local shards, the output placed."""
+        backward = is_grouped_backward(node)
+        x, w = args[:2]
+        dy = args[3] if backward else None
+        wp = w.placements[0] if isinstance(w, DTensor) else Replicate()
+        dim = wp.dim if _is_shard(wp) else None
+        feature = _like(wp, 1)  # W's split, on the features of X / Y ([S, in] / [S, out])
+
+        def placed(v, placement, what: str):
+            if not isinstance(v, DTensor) or list(v.placements) == [placement]:
+                return v
+            with _why(f"TP: {what} for the grouped (MoE experts') matmul {node}"):
+                return v.redistribute(self.mesh, [placement])
+
+        if dim == 2:  # column: X whole, Y (and dY) sharded like W's outputs
+            x = placed(x, Replicate(), f"gather {node.args[0]}")
+            dy = placed(dy, feature, f"shard {node.args[3]}") if backward else None
+        elif dim == 1:  # row: X sharded like W's inputs (a local slice of a whole X), dY whole
+            x = placed(x, feature, f"shard {node.args[0]}")
+            dy = placed(dy, Replicate(), f"gather {node.args[3]}") if backward else None
+        else:
+            return self._replicated(node, args, kwargs, None)
+        args = (x, *args[1:3], dy) if backward else (x, *args[1:])
+        out = node.target(*_locals(args), **dict(zip(kwargs, _locals(kwargs.values()))))
+        val = node.meta["val"]
+        if not backward:
+            return _placed(out, self.mesh, feature if dim == 2 else Partial(), val.shape)
+        dx = _placed(out[0], self.mesh, Partial() if dim == 2 else feature, val[0].shape)
+        return dx, _placed(out[1], self.mesh, wp, val[1].shape)
+
+    def _grouped_weight_grad(self, node, args, kwargs):
+        """aten's dW = grouped(X^T, dY): dY sharded on its features (a column weight) gives dW
+        sharded on ``out``; X^T sharded on its rows (a row weight) gives dW sharded on ``in``."""
+        xt, dy, offs = args[:3]
+        px, pd = (v.placements[0] if isinstance(v, DTensor) else Replicate() for v in (xt, dy))
+        if _is_shard(pd) and pd.dim == 1 and px == Replicate():
+            placement = _like(pd, 2)
+        elif _is_shard(px) and px.dim == 0 and pd == Replicate():
+            placement = _like(px, 1)
+        else:
+            return self._replicated(node, args, kwargs, None)
+        out = node.target(*_locals(args), **dict(zip(kwargs, _locals(kwargs.values()))))
+        return _placed(out, self.mesh, placement, node.meta["val"].shape)
+
     def _replicated(self, node, args, kwargs, exc):
         """No strategy shards this op (``exc`` from DTensor, or None where the plan says so):
         gather its inputs and run it whole on every rank."""
@@ -329,6 +386,54 @@ class _Interpreter:
 def _is_shard(placement) -> bool:
     """Shard(d), or a fused projection's _StridedShard(d, k) (k parts, each split over TP)."""
     return isinstance(placement, (Shard, _StridedShard))
+
+
+def _split_parts(node, args):
+    """A fused projection's output ``_StridedShard(d, k)`` split into its k parts on d (GPT-2's
+    q, k, v; a gated MLP's gate and up): each rank splits its own shard, every part Shard(d).
+    DTensor would gather the whole value first. None where this is not that split."""
+    if node.target is not aten.split.Tensor or not isinstance(args[0], DTensor):
+        return None
+    x, size = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else node.kwargs.get("dim", 0)) % x.ndim
+    p = x.placements[0]
+    if not isinstance(p, _StridedShard) or p.dim != dim or size * p.split_factor != x.shape[dim]:
+        return None
+    local = x.to_local()
+    shape = list(x.shape)
+    shape[dim] = size
+    return tuple(_placed(part, x.device_mesh, Shard(dim), shape)
+                 for part in local.split(local.shape[dim] // p.split_factor, dim))
+
+
+def _cat_parts(node, args):
+    """The backward's inverse of `_split_parts`: k equal Shard(d) parts concatenated on d are
+    the fused projection's ``_StridedShard(d, k)``, each rank's shards side by side."""
+    if node.target is not aten.cat.default:
+        return None
+    parts = args[0]
+    dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+    if len(parts) < 2 or not all(isinstance(v, DTensor) for v in parts):
+        return None
+    dim %= parts[0].ndim
+    if any(list(v.placements) != [Shard(dim)] or v.shape != parts[0].shape for v in parts):
+        return None
+    shape = list(parts[0].shape)
+    shape[dim] *= len(parts)
+    local = torch.cat([v.to_local() for v in parts], dim)
+    return _placed(local, parts[0].device_mesh, _StridedShard(dim, split_factor=len(parts)), shape)
+
+
+def _locals(values) -> list:
+    """Each DTensor as this rank's local tensor; anything else as it is."""
+    return [v.to_local() if isinstance(v, DTensor) else v for v in values]
+
+
+def _like(placement, dim: int):
+    """``placement``'s kind of split (a plain or a per-part shard) on another dim."""
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(dim, split_factor=placement.split_factor)
+    return Shard(dim)
 
 
 def _parts(placement) -> int:

@@ -72,12 +72,15 @@ class _JointStep(torch.autograd.Function):
         by_name = dict(zip(names, params))
         m = rank_graph.micro_batches
         device = user_inputs[0].device
-        seeds = [torch.full((), s, dtype=torch.float32, device=device)
+        # every graph of the step has the same leading placeholders: their shapes, read once
+        holders = [n for n in rank_graph.gm.graph.nodes if n.op == "placeholder"]
+        # the seed in the loss's dtype (a bf16 model's loss is bf16)
+        dtype = next((h.meta["val"].dtype for h, (kind, _) in zip(holders, rank_graph.inputs)
+                      if kind == "tangent"), torch.float32)
+        seeds = [torch.full((), s, dtype=dtype, device=device)
                  for s in _seeds(rank_graph, user_inputs, device)]
         loss = None
         sums: dict[str, torch.Tensor] = {}
-        # every graph of the step has the same leading placeholders: their shapes, read once
-        holders = [n for n in rank_graph.gm.graph.nodes if n.op == "placeholder"]
         for micro in range(m):
             last = micro == m - 1
             early = rank_graph.accumulate_gm is not None and not last

@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from autopar.capture.joint import TrainingGraph
+from passes.grouped_matmul import grouped_flops, is_grouped
 
 aten = torch.ops.aten
 
@@ -202,7 +203,7 @@ def _node_info(node, kinds, nodes: dict[str, NodeInfo], prefix) -> NodeInfo:
             storage = nodes[src.name].storage
     in_bytes = sum(_val_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     flops = 0.0 if is_view else _flops(node)
-    is_matmul = target in _MATMULS
+    is_matmul = target in _MATMULS or is_grouped(node)
     vector = 0.0 if (is_view or is_matmul or flops) else float(tensor.numel() if tensor is not None else 0)
     return NodeInfo(
         name=node.name,
@@ -235,6 +236,8 @@ def _flops(node: torch.fx.Node) -> float:
     if _CPU_FLASH_BWD is not None and target == _CPU_FLASH_BWD.default:
         q, k, v = args[1:4]
         return 2.0 * _attention_flops(q, k, v)  # dQ, dK, dV and dP: twice the forward
+    if is_grouped(node):  # MoE experts: no formula in PyTorch's registry
+        return grouped_flops(node)
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet)
     if formula is None:

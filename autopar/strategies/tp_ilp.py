@@ -55,9 +55,16 @@ from cost import Cluster, collective_time
 from cost.terms.common import comm_overlap, default_precision
 from cost.terms.compute import compute_dtype, roofline_times
 from cost.terms.tensor_parallel import event_collective, tp_group
+from passes.grouped_matmul import is_grouped_forward
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default}
+
+
+def _weight_mm(n: torch.fx.Node) -> bool:
+    """A matmul that may read a weight: mm / addmm, or MoE experts' grouped matmul."""
+    return n.target in _MATMULS or is_grouped_forward(n)
+
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 SOLVE_TIME_LIMIT_S = 20.0  # a hard limit on every solve (shared notes: never an unbounded solve)
 
@@ -130,7 +137,7 @@ def solve_tp_roles(
             backward_of[n.meta["seq_nr"]].append(n.name)
         elif not info[n.name].is_view:
             seq = n.meta["seq_nr"]
-            if seq not in owner or (n.target in _MATMULS and nodes[owner[seq]].target not in _MATMULS):
+            if seq not in owner or (_weight_mm(n) and not _weight_mm(nodes[owner[seq]])):
                 owner[seq] = n.name
 
     def bwd(name: str) -> list[str]:
@@ -145,7 +152,7 @@ def solve_tp_roles(
     # forward weight matmuls and their weights
     matmuls: dict[str, tuple[str, torch.fx.Node]] = {}  # node -> (param, activation input)
     for n in graph.gm.graph.nodes:
-        if n.op != "call_function" or info[n.name].phase != "forward" or n.target not in _MATMULS:
+        if n.op != "call_function" or info[n.name].phase != "forward" or not _weight_mm(n):
             continue
         operands = list(n.args[1:3]) if n.target == aten.addmm.default else list(n.args[:2])
         ws = [a for a in operands if isinstance(a, torch.fx.Node) and a.name in weight_of]
@@ -192,6 +199,12 @@ def solve_tp_roles(
                 opts.append(COL)
             if len(shape) == 2 and shape[1] % tp == 0:
                 opts.append(ROW)
+            if len(shape) == 3 and param in base.grouped:  # experts [E, out, in] (or [E, in, out])
+                out_dim, in_dim = (2, 1) if param in base.in_out else (1, 2)
+                if shape[out_dim] % (tp * base.fused_parts.get(param, 1)) == 0:
+                    opts.append(COL)
+                if shape[in_dim] % tp == 0:
+                    opts.append(ROW)
         forced = (fixed or {}).get(group_of(param))
         if forced is not None:
             if forced not in opts:

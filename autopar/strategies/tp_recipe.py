@@ -17,7 +17,9 @@ The rules are Megatron's (Shoeybi et al. 2019), applied to aten nodes in graph o
 The backward follows from the same rules: the gradient of a column-parallel input is a P (an
 all-reduce in backward), the gradient of a row-parallel input an S. A weight keeps the role of
 its first use, which is in the forward. Selection ops (top-k, argmax) gather their S input,
-which keeps MoE routers replicated in effect. An S input may only enter an op that DTensor's
+which keeps MoE routers replicated in effect; MoE experts' grouped matmuls
+(`passes.grouped_matmul`, weights [E, in, out]) take column and row roles as linear layers do,
+every expert alike. An S input may only enter an op that DTensor's
 strategies (or `strategies`' own rules) can run sharded; other ops gather it and run
 replicated, with a warning naming the op. The result is layout-independent: the degree t
 only scales what this module finds.
@@ -33,6 +35,7 @@ import torch
 from autopar.analysis.graph import GraphAnalysis
 from autopar.capture.joint import TrainingGraph
 from autopar.strategies.dtensor import FACTORY_LIKE, admits_sharding, warn_unknown
+from passes.grouped_matmul import is_grouped, is_grouped_backward, is_grouped_forward
 
 aten = torch.ops.aten
 
@@ -55,6 +58,10 @@ _SELECTION = {aten.topk.default, aten.argmax.default, aten.max.dim, aten.sort.de
 _EMBED_BWD = {aten.embedding_dense_backward.default}
 
 COL, ROW, VOCAB, REPLICATED = "col", "row", "vocab", "replicated"
+
+# transformers' grouped backward under a weight role: the states of (dX, dW) (see
+# `passes.grouped_matmul`: a column weight's dX is a partial sum, a row weight's is sharded)
+_GROUPED_BACKWARD_STATES = {COL: ("P", "S"), ROW: ("S", "S")}
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,8 @@ class TPRecipe:
     # weights a matmul reads as stored, [in, out] (transformers' Conv1D in GPT-2), not
     # through a transpose as nn.Linear's [out, in]: their column / row dims swap
     in_out: set[str] = field(default_factory=set)
+    # MoE experts' weights [E, ...] of grouped matmuls: their TP dims are one further in
+    grouped: set[str] = field(default_factory=set)
 
     def divides(self, tp: int) -> bool:
         """Whether every fused projection's heads split ``tp`` ways (q, k, v by heads)."""
@@ -108,7 +117,7 @@ class TPRecipe:
         if role == VOCAB:
             return 0
         if role in (COL, ROW):
-            return int((role == ROW) != (name in self.in_out))
+            return int((role == ROW) != (name in self.in_out)) + int(name in self.grouped)
         return None
 
 
@@ -137,6 +146,8 @@ def find_tp_recipe(
     wgrad_mm: set[str] = set()
     embed_sharded: dict = {}
     fallback_ops: set[str] = set()
+    grouped: set[str] = set()
+    outputs_of: dict[str, tuple[str, ...]] = {}  # multi-output node -> each output's state
 
     def forward(node) -> bool:
         return analysis.nodes[node.name].phase == "forward"
@@ -165,7 +176,24 @@ def find_tp_recipe(
             flipped[node.name] = flipped.get(ins[0].name, False) != _transposes(node)
             state[node.name] = "R"
             continue
-        if target in _PARAM_MATMULS:
+        if is_grouped_backward(node):  # (X, W, offs, dY) -> (dX, dW)
+            x, w, _, dy = node.args[:4]
+            reduce(dy)
+            role = roles.get(weight_of.get(w.name, ""), REPLICATED)
+            outputs_of[node.name] = _GROUPED_BACKWARD_STATES.get(role, ("R", "R"))
+            state[node.name] = "S" if role in (COL, ROW) else "R"
+            if role in (COL, ROW):
+                sharded_mm.add(node.name)
+                wgrad_mm.add(node.name)
+            for i in (x, dy):  # a replicated expert weight needs its inputs whole
+                if role not in (COL, ROW) and state.get(i.name) == "S" and batch_dep.get(i.name):
+                    events.append(TPEvent(i.name, "gather", analysis.nodes[i.name].nbytes, True,
+                                          False, True))
+            continue
+        if target is operator.getitem and ins and ins[0].name in outputs_of:
+            state[node.name] = outputs_of[ins[0].name][node.args[1]]
+            continue
+        if target in _PARAM_MATMULS or is_grouped_forward(node):
             operands = list(node.args[1:3]) if target == aten.addmm.default else list(node.args[:2])
             weights = [a for a in operands if isinstance(a, torch.fx.Node) and a.name in weight_of]
             if len(weights) == 1:
@@ -173,13 +201,19 @@ def find_tp_recipe(
                 x = operands[1] if operands[0] is w else operands[0]
                 reduce(x)
                 param = weight_of[w.name]
-                if forward(node) and param not in roles and getattr(w.meta.get("val"), "ndim", 0) == 2:
+                if is_grouped_forward(node):
+                    grouped.add(param)
+                if forward(node) and param not in roles and getattr(w.meta.get("val"), "ndim", 0) in (2, 3):
                     # x @ W' reads W' as [in, out]: W is stored so unless a transpose made W'
                     stored_in_out = (operands[1] is w) != flipped.get(w.name, False)
                     if stored_in_out:
                         in_out.add(param)
                 x_state = state[x.name]
-                if forced.get(param) == REPLICATED:
+                # one output feature (Qwen2-MoE's shared-expert gate, [1, h]) cannot split over
+                # columns: replicated, or its sharded output would flip every later layer's roles
+                single = (param not in forced and param not in roles and x_state == "R"
+                          and node.meta["val"].shape[-1] == 1)
+                if forced.get(param) == REPLICATED or single:
                     roles[param] = REPLICATED
                     if x_state == "S":  # a replicated weight needs its whole input
                         events.append(TPEvent(x.name, "gather", analysis.nodes[x.name].nbytes,
@@ -243,7 +277,8 @@ def find_tp_recipe(
             state[node.name] = "R"  # reads only the dtype and device of its input
             continue
         if "S" in in_states:
-            allowed = admits_sharding(node)
+            # aten's grouped weight gradient X^T dY keeps W's split (`passes.grouped_matmul`)
+            allowed = True if is_grouped(node) else admits_sharding(node)
             if not allowed:  # no strategy keeps a sharded input: gather it, run replicated
                 if allowed is None:
                     warn_unknown(node)
@@ -255,7 +290,7 @@ def find_tp_recipe(
                 state[node.name] = "R"
                 continue
         state[node.name] = "S" if "S" in in_states else "R"
-        if target in _PARAM_MATMULS and state[node.name] == "S" and not forward(node):
+        if (target in _PARAM_MATMULS or is_grouped(node)) and state[node.name] == "S" and not forward(node):
             wgrad_mm.add(node.name)
     for name in bias_of_col:
         roles[name] = COL
@@ -268,7 +303,7 @@ def find_tp_recipe(
             state[node_name] = "S"
     parts, heads = _fused_projections(graph, col_mm, weight_of)
     return TPRecipe(state, roles, sharded_mm, col_mm, wgrad_mm, events, weight_of, batch_dep,
-                    fallback_ops, parts, heads, in_out)
+                    fallback_ops, parts, heads, in_out, grouped)
 
 
 def _transposes(node) -> bool:

@@ -1,14 +1,13 @@
 """Parity for Hugging Face transformers models: a parallel step on gloo ranks equals one device.
 
-Tiny Llama, Qwen2, GPT-2, Mistral and Mixtral configs (tests/hf_tiny.py) under DP with ZeRO-3
-and TP+SP on 2 ranks, and DP x TP+SP and the solver's own plan on 4: loss, every gradient and the parameters
-after 2 SGD then 2 AdamW steps, fp32, rtol 1e-5. One spawn per world size runs them all; the
-4-rank run is marked slow (`python -m pytest -m slow`).
+Tiny Llama, Qwen2, GPT-2, Mistral, Mixtral and Qwen2-MoE configs (tests/hf_tiny.py) under DP
+with ZeRO-3 and TP+SP on 2 ranks, and DP x TP+SP and the solver's own plan on 4: loss, every
+gradient and the parameters after 2 SGD then 2 AdamW steps, fp32, rtol 1e-5. One spawn per world
+size runs them all; the 4-rank run is marked slow (`python -m pytest -m slow`).
 
-Mixtral's experts are transformers' `grouped_mm_fallback` custom op (its fp32 path under
-tracing): autopar has no sharding rule for it, so under TP it runs replicated with its inputs
-gathered (correct, not split); the plan names it in `plan.fallbacks` and the check allows
-exactly that op there.
+Under TP every weight the plan shards is sharded, no op falls back to replication, and no
+fused projection (GPT-2's q, k, v; the experts' gate and up) is gathered to be split or
+concatenated: the MoE experts (transformers' grouped matmuls) run column- and row-parallel.
 """
 
 import copy
@@ -18,7 +17,7 @@ from parity_checks import adamw, contract, sgd, train_and_compare
 
 from runtime.launch import spawn
 
-FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "mixtral")
+FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "mixtral", "qwen2-moe")
 # the solver's own plan ({}) runs in the slow 4-rank test only (the zoo's parity covers it at 2)
 LAYOUTS = {2: [{"dp": 2, "zero": 3}, {"tp": 2, "sp": True}],
            4: [{"dp": 4, "zero": 3}, {"dp": 2, "tp": 2, "sp": True, "zero": 1}, {}]}
@@ -38,11 +37,28 @@ def _worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
             layout = autopar.Layout(**degrees) if degrees else None
             pm = autopar.parallelize(wrapper, world, example_inputs=batch, layout=layout)
             label = (family, pm.plan.layout.short())
-            failures += contract(pm, label, allowed_fallbacks=("grouped_mm",) if family == "mixtral" else ())
-            if degrees.get("tp", 1) > 1 and not any(
-                    any(p.is_shard() for p in q.placements[1:]) for q in pm.parameters()):
-                failures.append((*label, "no parameter is sharded over TP"))
+            failures += contract(pm, label)
+            if pm.plan.layout.tp > 1:
+                failures += _tp_checks(pm, label)
             failures += train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd, adamw))
+    return failures
+
+
+def _tp_checks(pm, label) -> list[tuple]:
+    """Weights sharded over TP (every expert weight of an MoE), and no gather of a fused
+    projection's output to split it into its parts (or of its gradient's parts to join them)."""
+    from autopar.execution.parallelize import placement_of
+
+    failures = []
+    sharded = {n for n, q in pm.named_parameters() if any(placement_of(p).is_shard for p in q.placements[1:])}
+    experts = {n for n, _ in pm.named_parameters() if ".experts." in n}
+    if not sharded or experts - sharded:
+        failures.append((*label, "not sharded over TP", sorted(experts - sharded) or "any parameter"))
+    moved = [n.meta.get("autopar", "") for n in pm._rank_graph.gm.graph.nodes
+             if str(n.target).startswith("_c10d_functional.")]
+    split = [m for m in moved if "(split.Tensor)" in m or "(cat.default)" in m]
+    if split:
+        failures.append((*label, "fused parts gathered", split))
     return failures
 
 
