@@ -1,9 +1,10 @@
 """Parity for Hugging Face transformers models: a parallel step on gloo ranks equals one device.
 
-Tiny Llama, Qwen2, GPT-2, Mistral, Mixtral and Qwen2-MoE configs (tests/hf_tiny.py) under DP
-with ZeRO-3 and TP+SP on 2 ranks, and DP x TP+SP and the solver's own plan on 4: loss, every
-gradient and the parameters after 2 SGD then 2 AdamW steps, fp32, rtol 1e-5. One spawn per world
-size runs them all; the 4-rank run is marked slow (`python -m pytest -m slow`).
+Tiny Llama, Qwen2, GPT-2, Mistral, Mixtral and Qwen2-MoE configs (tests/hf_tiny.py) under DP,
+ZeRO-3, TP+SP and the solver's own plan on 2 ranks, and ZeRO-3, DP x TP+SP and the solver's
+plan on 4: loss, every gradient and the parameters after 2 SGD then 2 AdamW steps, fp32, rtol
+1e-5. One spawn per world size runs them all; the 4-rank run is marked slow
+(`python -m pytest -m slow`).
 
 Under TP every weight the plan shards is sharded, no op falls back to replication, and no
 fused projection (GPT-2's q, k, v; the experts' gate and up) is gathered to be split or
@@ -18,8 +19,8 @@ from parity_checks import adamw, contract, sgd, train_and_compare
 from runtime.launch import spawn
 
 FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "mixtral", "qwen2-moe")
-# the solver's own plan ({}) runs in the slow 4-rank test only (the zoo's parity covers it at 2)
-LAYOUTS = {2: [{"dp": 2, "zero": 3}, {"tp": 2, "sp": True}],
+# plain DP, ZeRO-3, TP+SP and the solver's own plan ({})
+LAYOUTS = {2: [{"dp": 2}, {"dp": 2, "zero": 3}, {"tp": 2, "sp": True}, {}],
            4: [{"dp": 4, "zero": 3}, {"dp": 2, "tp": 2, "sp": True, "zero": 1}, {}]}
 
 
