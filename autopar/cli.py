@@ -150,7 +150,7 @@ def _cluster(args: argparse.Namespace):
 
 # ---------------------------------------------------------------------------------- layouts
 
-_BOOL_FIELDS = ("sp", "fp32_grad_accum", "reshard")
+_BOOL_FIELDS = ("sp", "fp32_grad_accum", "reshard", "regather")
 _CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "precision": PRECISIONS,
                   "fp8_recipe": FP8_RECIPES}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -66,6 +66,11 @@ class Layout:
         reshard_after_forward, the default); False keeps the forward's gathered weights to the
         backward: one all-gather fewer per block and micro-batch, the whole weights held from the
         forward to the backward (ZeRO-1/2 keep them anyway; ignored there).
+    regather: under TP+SP, a block whose values the backward recomputes gathers its sequence
+        again for the backward's matmuls (Megatron-SP's choice, the default); False keeps the
+        forward's gathered full-sequence matmul inputs to the backward instead: one all-gather
+        fewer per gathered input and micro-batch, those inputs held whole (tp times their
+        sequence shard). Ignored without SP or without recomputation.
     """
 
     dp: int = 1
@@ -85,6 +90,7 @@ class Layout:
     fp8: str | tuple[str, ...] = "none"
     fp8_recipe: str = "tensorwise"
     reshard: bool = True
+    regather: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatch", "grad_accum", "virtual_stages"):
@@ -128,6 +134,10 @@ class Layout:
             raise LayoutError(f"Layout.reshard={self.reshard!r}: True or False")
         if self.zero < 3 and not self.reshard:
             object.__setattr__(self, "reshard", True)  # only ZeRO-3 drops the gathered weights
+        if not isinstance(self.regather, bool):
+            raise LayoutError(f"Layout.regather={self.regather!r}: True or False")
+        if not self.sp or self.recompute == "none":
+            object.__setattr__(self, "regather", True)  # no SP gather is recomputed then
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise LayoutError(
                 f"Layout.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b'"
@@ -202,7 +212,7 @@ class Layout:
         if self.zero:
             parts.append(f"zero{self.zero}" + ("" if self.reshard else " no-reshard"))
         if self.sp:
-            parts.append("sp")
+            parts.append("sp" + ("" if self.regather else " keep-gathers"))
         if self.microbatch is not None:
             parts.append(f"mb{self.microbatch}")
         if self.grad_accum is not None:

@@ -71,7 +71,7 @@ from cost.terms.recompute import (
     staged_activation_memory,
     staged_rerun,
 )
-from cost.terms.tensor_parallel import sp_regather, tp_small_collectives
+from cost.terms.tensor_parallel import kept_sp_gathers, sp_regather, tp_small_collectives
 from cost.terms.tensor_parallel import tp_comm as tp_comm_terms
 
 __all__ = [
@@ -339,6 +339,8 @@ def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tup
         largest = np.zeros(lay.pp)
         np.maximum.at(largest, saved_stage, local * columns(facts, none[0]).kept)
         room = room - 2.0 * (largest.max() - largest)
+        # a recomputing stage that keeps its SP gathers holds them too (`Layout.regather`)
+        room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight
         facts._memo[key] = tuple(
             choose_auto(facts, local * (saved_stage == s), np.zeros_like(saved_stage), np.array([_flight(lay, s)]),
                         room[s:s + 1], np.zeros_like(node_stage), times * (node_stage == s), (fwd + bwd)[s:s + 1])
@@ -365,6 +367,8 @@ def _memory(facts, cluster, lay, rec, params_stage, choices: tuple[RecomputeChoi
     # start from, block inputs included), and what each block's backward rebuilds
     per_stage, extra = staged_activation_memory(facts, local_saved_bytes(facts, cluster, lay),
                                                 stage_of(facts, facts.saved.layer, cluster, lay), choices)
+    recomputing = np.array([c.mode != "none" for c in choices])
+    per_stage = per_stage + kept_sp_gathers(facts, cluster, lay, pp) * recomputing  # Layout.regather
     extra = extra if transient else np.zeros(pp)
     block_params_ = block_params(facts, lay, n_layers)
     stash = zb_stash_per_stage(facts, cluster, lay)

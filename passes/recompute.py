@@ -28,7 +28,8 @@ and in every mode never a random op (a dropout replayed would draw another mask:
 the mask included, are kept; attention kernels count as random: their outputs are kept), a
 collective other than an all-gather (`_c10d_functional.*`: a reduction's output is kept; an
 all-gather, TP+SP's sequence gather before a column matmul, is redone from the kept shards, as
-Megatron-SP does, so its full-sequence output is never held to the backward), an op that
+Megatron-SP does, so its full-sequence output is never held to the backward; with
+``regather=False``, `Layout.regather`, it is kept instead: one gather fewer, its output held), an op that
 mutates an argument, or a value some op mutates, or a getitem of a value that is kept (it
 reads the kept tuple anyway).
 """
@@ -129,9 +130,11 @@ def _is_heavy(node: fx.Node) -> bool:
     return _op_name(node) in _HEAVY
 
 
-def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None]) -> list[fx.Node]:
+def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None],
+                regather: bool = True) -> list[fx.Node]:
     """The forward nodes "full" may recompute, in graph order (the module docstring's rule;
-    `values_to_recompute` drops the getitems of kept tuples)."""
+    `values_to_recompute` drops the getitems of kept tuples); ``regather`` False keeps the
+    all-gathers (TP+SP's sequence gathers) and so their full-sequence outputs."""
     nodes = list(gm.graph.nodes)
     mutated = {a for n in nodes if n.op == "call_function" and mutates(n) for a in n.all_input_nodes}
     out = []
@@ -139,7 +142,7 @@ def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None]) -> list[fx
         layer = layers.get(node.name)
         if node.op != "call_function" or is_backward(node) or layer is None:
             continue
-        if is_random(node) or (is_collective(node) and not _is_gather(node)) or mutates(node) \
+        if is_random(node) or (is_collective(node) and not (regather and _is_gather(node))) or mutates(node) \
                 or node in mutated:
             continue
         # the block's output feeds the next block: kept, as every block's input is
@@ -151,12 +154,13 @@ def _candidates(gm: fx.GraphModule, layers: Mapping[str, int | None]) -> list[fx
 
 
 def values_to_recompute(gm: fx.GraphModule, layers: Mapping[str, int | None],
-                        mode: str, also: Collection[str] = ()) -> frozenset[str]:
+                        mode: str, also: Collection[str] = (), regather: bool = True) -> frozenset[str]:
     """The forward values the backward may recompute under ``mode`` (see the module docstring).
 
     ``layers``: the block index of each node (None or absent: outside the repeated blocks), as
     `autopar.analysis` finds it. ``also`` (mode "selective" only): heavy nodes (matmuls;
-    `heavy_groups` keys them) whose outputs are recomputed too."""
+    `heavy_groups` keys them) whose outputs are recomputed too. ``regather`` False keeps the
+    SP all-gathers' outputs (`Layout.regather`) instead of gathering again."""
     if mode not in MODES:
         raise ValueError(f"recompute mode {mode!r}: one of {', '.join(MODES)}")
     if also and mode != "selective":
@@ -165,7 +169,7 @@ def values_to_recompute(gm: fx.GraphModule, layers: Mapping[str, int | None],
         return frozenset()
     extra = set(also)
     out: set[str] = set()
-    for node in _candidates(gm, layers):
+    for node in _candidates(gm, layers, regather):
         if node.target is operator.getitem and node.args[0].name not in out:
             continue  # a kept tuple (attention, dropout): its parts are kept with it
         if mode == "selective" and _is_heavy(node) and node.name not in extra:

@@ -238,7 +238,8 @@ def parallelize(
     solver, searching only what runs, on this process's devices: `Cluster.detect()` under NCCL,
     `Cluster.local()` on CPU ranks. ``local_batch``: ``pm(*batch)`` takes this rank's
     data-parallel slice instead of the global batch. ``strict``: refuse any op that would fall
-    back to replication. Must be called on every rank of an initialised process group.
+    back to replication. Must be called on every rank of an initialised process group; rank 0
+    plans and every rank runs its plan.
     """
     if not dist.is_initialized():
         raise InputError("parallelize needs an initialised process group: launch with torchrun "
@@ -265,7 +266,7 @@ def parallelize(
     batch = example_inputs[0].shape[0]
     cluster = (Cluster.detect() if device_type == "cuda"
                else Cluster.local(ranks=world, threads_per_rank=torch.get_num_threads()))
-    chosen = _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster)
+    chosen = _one_plan(lambda: _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster))
     lay = chosen.layout
     m = lay.grad_accum
     if batch % (lay.dp * m):
@@ -346,7 +347,7 @@ def parallelize(
         block_rank = {b: c % lay.pp for c, (first, last) in enumerate(decisions.stages)
                       for b in range(first, last + 1)}
         decisions.recompute = _recomputed(None, choices[0], _recompute(gm, layers, groups, choices, block_rank,
-                                                                       lay.tp > 1))
+                                                                       lay.tp > 1, lay.regather))
     weight_loss_by_seed(gm, signature)
     accumulate_gm = None
     inputs = list(signature.inputs)
@@ -448,14 +449,14 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], dec
 
 
 def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str],
-               choices: list[RecomputeChoice], block_rank: dict[int, int], retraced: bool
-               ) -> dict[int, list[str]]:
+               choices: list[RecomputeChoice], block_rank: dict[int, int], retraced: bool,
+               regather: bool = True) -> dict[int, list[str]]:
     """Apply the recompute pass to this rank's graph ``gm``; block -> the saved values it
     rebuilds. ``choices``: what each pipeline rank recomputes (one entry without a pipeline);
     ``block_rank``: the pipeline rank of each block. ``layers`` and ``groups``: the block
     and heavy group of each node of the captured graph (its analysis); a graph the TP pass
     retraced names each node's source in ``meta["from_node"]``, a node of the FP8 pass the
-    matmul it serves (its casts are that matmul's block's)."""
+    matmul it serves (its casts are that matmul's block's). ``regather``: `Layout.regather`."""
     source = {n.name: _source(n, retraced) for n in gm.graph.nodes}
     per_node = {name: layers.get(src) for name, src in source.items()}
     marked: set[str] = set()
@@ -463,7 +464,7 @@ def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str],
         ranks = {r for r, c in enumerate(choices) if c == choice}
         wanted = set(choice.outputs)
         also = [name for name, src in source.items() if groups.get(src) in wanted]
-        values = values_to_recompute(gm, per_node, choice.mode, also=also)
+        values = values_to_recompute(gm, per_node, choice.mode, also=also, regather=regather)
         marked |= {v for v in values if len(choices) == 1 or block_rank.get(per_node[v]) in ranks}
     result = apply_recompute(gm, frozenset(marked))
     executed: dict[int, list[str]] = {}
@@ -534,6 +535,31 @@ def _executable(layout: Layout, precision: str) -> None:
             + "; ".join(missing) + " yet. Run a DP / ZeRO / TP / TP+SP layout (with any "
             "recompute) without them (pp=cp=ep=1, the model's precision), or use the plan for its "
             "predictions")
+
+
+def _one_plan(choose: Callable[[], Plan]) -> Plan:
+    """Rank 0's plan, on every rank. Ranks plan alike in principle, but a near tie between two
+    layouts or TP roles can break another way in another process (floats summed in another
+    order: Python's per-process hash seeds order sets), and ranks running different plans fail
+    in a collective (gloo: "Received data size doesn't match expected size") or hang. Rank 0
+    plans and sends its plan (JSON) to the others; an error there is raised on every rank."""
+    if dist.get_world_size() == 1:
+        return choose()
+    box: list = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("plan", choose().to_json())
+        except Exception as exc:  # the others must not wait for a plan that never comes
+            error = exc
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    kind, payload = box[0]
+    if kind == "error":
+        raise InputError(f"rank 0 could not plan, so no rank runs: {payload}")
+    return Plan.from_json(payload)  # rank 0 too: every rank runs the same deserialised plan
 
 
 def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster) -> Plan:

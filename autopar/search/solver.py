@@ -49,6 +49,9 @@ def tp_degrees(facts: StepFacts, cluster: Cluster, cross_node_tp: bool = False) 
 # (ZeRO stage, reshard): ZeRO-3 gathers the weights again for the backward, or keeps the
 # forward's (a collective recomputed or kept: the solver weighs one gather against the memory)
 ZERO_CHOICES = ((0, True), (1, True), (2, True), (3, True), (3, False))
+# Layout.regather: under TP+SP with recomputation, the backward gathers the sequence again
+# (Megatron-SP) or keeps the forward's gathered matmul inputs; the regathering twin first
+REGATHER_CHOICES = (True, False)
 
 
 def candidate_layouts(
@@ -100,13 +103,17 @@ def candidate_layouts(
                             # ZeRO shards over dp*cp; ZeRO-3 also keeping the forward's weights
                             ZERO_CHOICES if dp * cp > 1 else ((0, True),),
                             recompute,
+                            REGATHER_CHOICES,
                         )
-                        for sp, fp8, (schedule, v), (zero, reshard), rc in choices:
+                        for sp, fp8, (schedule, v), (zero, reshard), rc, regather in choices:
+                            if not regather and (not sp or rc == "none"):
+                                continue  # nothing regathered to keep: the twin's layout
                             try:
                                 yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
                                              microbatch=mb, grad_accum=ga, schedule=schedule,
                                              virtual_stages=v, recompute=rc,
-                                             precision=base, fp8=fp8, reshard=reshard)
+                                             precision=base, fp8=fp8, reshard=reshard,
+                                             regather=regather)
                             except LayoutError:
                                 continue
 
@@ -138,6 +145,7 @@ def search(
     smallest: list[tuple[float, Layout]] = []  # for the infeasible report
     capacity = cluster.gpu.memory_bytes
     resharded: dict[Layout, Prediction] = {}  # ZeRO-3 layouts that fit, for their kept twins
+    regathered: dict[Layout, Prediction] = {}  # TP+SP layouts that recompute, for their kept twins
     last_report = time.perf_counter()
     for cross in (False, True):
         for tp in tp_degrees(base, cluster, cross):
@@ -153,6 +161,8 @@ def search(
                     if not layout.reshard and not _keeping_may_pay(resharded.get(dataclasses.replace(
                             layout, reshard=True)), cluster):
                         continue
+                    if not layout.regather and dataclasses.replace(layout, regather=True) not in regathered:
+                        continue  # its twin did not fit or regathered nothing: keeping cannot pay
                     try:
                         check_layout(facts, cluster, layout)
                     except LayoutError:
@@ -167,6 +177,8 @@ def search(
                     pred = predict(facts, cluster, layout, memory=mem)
                     if layout.zero == 3 and layout.reshard:
                         resharded[layout] = pred
+                    if layout.sp and layout.regather and pred.time_breakdown["recompute_s"] > 0:
+                        regathered[layout] = pred
                     if best is None or pred.step_time_s < best[1].step_time_s - 1e-12:
                         best = (layout, pred, facts, recipe_name)
                     if progress and best and time.perf_counter() - last_report > 1.0:

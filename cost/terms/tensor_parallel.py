@@ -99,15 +99,38 @@ def sp_regather(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float, n
                 pp: int) -> np.ndarray:
     """Exposed seconds per stage, for one micro-batch, of the SP all-gathers a recomputing
     backward runs again (passes/recompute.py redoes a block's sequence gather rather than
-    keeping its full-sequence output, as Megatron-SP does), hidden as the forward's are."""
-    if lay.tp == 1 or not lay.sp:
+    keeping its full-sequence output, as Megatron-SP does), hidden as the forward's are (the
+    hidden part slowing the compute it hides behind by `CostParams.overlap_slowdown`); 0 where
+    the layout keeps them (`Layout.regather` False)."""
+    if lay.tp == 1 or not lay.sp or not lay.regather:
         return np.zeros(pp)
     ev = facts.events
     cost = _event_costs(facts, cluster, lay, scale)
-    regathered = ~ev.reduce & ev.forward & ~ev.always & (ev.layer >= 0) & (ev.layer < n_layers)
     overlap = comm_overlap(cluster) * cluster.params.tp_overlap
+    exposed = (1.0 - overlap) + overlap * cluster.params.overlap_slowdown
     slot_stage = stage_of(facts, ev.layer, cluster, lay)
-    return np.bincount(slot_stage, weights=cost * regathered * (1.0 - overlap), minlength=pp)
+    return np.bincount(slot_stage, weights=cost * _block_gathers(facts, n_layers) * exposed, minlength=pp)
+
+
+def kept_sp_gathers(facts: StepFacts, cluster: Cluster, lay: Layout, pp: int) -> np.ndarray:
+    """Bytes per stage and micro-batch that keeping the SP gathers' outputs holds from the
+    forward to the backward of a recomputing block (`Layout.regather` False): every gathered
+    matmul input of the blocks whole, its sequence not split over TP. Measured on 2 ranks
+    (tests/runtime/test_recompute_memory_tp.py): 16 MiB more than regathering under selective
+    recompute, 13 MiB under full, where these bytes are 16 MiB."""
+    if lay.tp == 1 or not lay.sp or lay.regather:
+        return np.zeros(pp)
+    ev = facts.events
+    local = ev.bytes * np.where(ev.batch_dep, lay.microbatch / facts.batch / lay.cp, 1.0)
+    kept = local * _block_gathers(facts, max(facts.n_layers, 1))
+    return (np.bincount(stage_of(facts, ev.layer, cluster, lay), weights=kept, minlength=pp)
+            * cluster.params.activation_fragmentation)
+
+
+def _block_gathers(facts: StepFacts, n_layers: int) -> np.ndarray:
+    """The SP gathers of the blocks' column matmul inputs (a recompute pass may redo them)."""
+    ev = facts.events
+    return ~ev.reduce & ev.forward & ~ev.always & (ev.layer >= 0) & (ev.layer < n_layers)
 
 
 def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):

@@ -161,6 +161,30 @@ def test_fp8_auto_keeps_fp8_only_where_it_pays(llama_step):
         predict(facts, H100_8, lay.replace(fp8=("layers.*.nope.weight",)))
 
 
+def test_keeping_the_sp_gathers_trades_a_gather_for_memory(llama_step):
+    """TP+SP under recomputation: regathering the sequence in the backward (the default) or
+    keeping the forward's gathered matmul inputs: no backward gather, the inputs held whole.
+    On the fitted h100-efa profile a hidden gather still slows the matmul it hides behind."""
+    _, _, _, step = llama_step
+    facts = step.facts()
+    efa = Cluster("h100-efa", nodes=1)
+    common = dict(tp=4, dp=2, sp=True, microbatch=2, grad_accum=4, precision="bf16")
+    redo = predict(facts, efa, Layout(**common, recompute="selective"))
+    keep = predict(facts, efa, Layout(**common, recompute="selective", regather=False))
+    assert keep.time_breakdown["recompute_s"] < redo.time_breakdown["recompute_s"]
+    assert keep.step_time_s < redo.step_time_s
+    # two gathered inputs per block (attention's and the MLP's) whole, bf16 [mb * seq, hidden]
+    extra = keep.memory_breakdown["activations"] - redo.memory_breakdown["activations"]
+    gathered = facts.n_layers * 2 * (2 * 1024 * 4096 * 2)
+    assert extra == pytest.approx(gathered * efa.params.activation_fragmentation, rel=0.01)
+    # nothing to keep without recomputation or without SP: the same layout
+    assert Layout(**common, regather=False).regather and Layout(tp=4, dp=2, recompute="full",
+                                                                regather=False).regather
+    assert Layout(**common, recompute="full", regather=False).short() == \
+        "dp2 tp4 sp keep-gathers mb2 ga4 rc-full"
+    assert Layout.from_dict(Layout(**common, recompute="full", regather=False).to_dict()).regather is False
+
+
 def test_zero3_keeping_the_gathered_weights_trades_a_gather_for_memory(llama_step):
     """ZeRO-3 without resharding after the forward: one all-gather of the weights per block and
     micro-batch instead of two, and the device's whole weights held from the forward to the

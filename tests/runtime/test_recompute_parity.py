@@ -1,5 +1,6 @@
 """Recomputation runs under parallelism: ZeRO-3 with recompute="full" and TP+SP with
-recompute="selective" on 2 gloo ranks give the loss and every gradient of one device (fp32,
+recompute="selective" (the SP gathers redone, or kept: ``regather=False``) on 2 gloo ranks give
+the loss and every gradient of one device (fp32,
 rtol 1e-5 / atol 1e-6), and the plan lists the values the backward really recomputes. So do
 the partial choices: named matmul outputs (``Layout(recompute=(groups...))``) and "auto" on a
 device too small for selective but large enough for full (the cost model's pick between them,
@@ -14,7 +15,8 @@ from torch import nn
 
 from runtime.launch import spawn
 
-LAYOUTS = ({"dp": 2, "zero": 3, "recompute": "full"}, {"tp": 2, "sp": True, "recompute": "selective"})
+LAYOUTS = ({"dp": 2, "zero": 3, "recompute": "full"}, {"tp": 2, "sp": True, "recompute": "selective"},
+           {"tp": 2, "sp": True, "recompute": "full", "regather": False})
 
 
 class Block(nn.Module):

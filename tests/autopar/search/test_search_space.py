@@ -17,6 +17,12 @@ def test_every_recompute_mode_spans_the_same_layouts():
     spaces = {}
     for modes in (("auto",), ("none", "full")):
         layouts = list(candidate_layouts(facts, cluster, [1, 2, 4], recompute=modes))
+        # a layout keeping TP+SP's gathers (regather=False) follows its regathering twin, and
+        # only where something is recomputed
+        kept = [lay for lay in layouts if not lay.regather]
+        assert kept and all(lay.sp and lay.recompute != "none" for lay in kept)
+        assert all(layouts[layouts.index(lay) - 1] == lay.replace(regather=True) for lay in kept)
+        layouts = [lay for lay in layouts if lay.regather]
         spaces[modes] = {lay.replace(recompute="none") for lay in layouts}
         assert len(layouts) == len(spaces[modes]) * len(modes)
         assert {lay.microbatch for lay in layouts} == {1, 2, 4, 8}
