@@ -38,6 +38,7 @@ rank allocates only its shards, filled from a checkpoint of any layout by
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable, Sequence
 
 import torch
@@ -238,8 +239,8 @@ def parallelize(
     solver, searching only what runs, on this process's devices: `Cluster.detect()` under NCCL,
     `Cluster.local()` on CPU ranks. ``local_batch``: ``pm(*batch)`` takes this rank's
     data-parallel slice instead of the global batch. ``strict``: refuse any op that would fall
-    back to replication. Must be called on every rank of an initialised process group; rank 0
-    plans and every rank runs its plan.
+    back to replication. Must be called on every rank of an initialised process group; every
+    rank runs rank 0's plan.
     """
     if not dist.is_initialized():
         raise InputError("parallelize needs an initialised process group: launch with torchrun "
@@ -541,25 +542,38 @@ def _one_plan(choose: Callable[[], Plan]) -> Plan:
     """Rank 0's plan, on every rank. Ranks plan alike in principle, but a near tie between two
     layouts or TP roles can break another way in another process (floats summed in another
     order: Python's per-process hash seeds order sets), and ranks running different plans fail
-    in a collective (gloo: "Received data size doesn't match expected size") or hang. Rank 0
-    plans and sends its plan (JSON) to the others; an error there is raised on every rank."""
+    in a collective (gloo: "Received data size doesn't match expected size") or hang. Every
+    rank plans, the plans are exchanged (JSON), and a rank whose plan differs from rank 0's
+    runs rank 0's decisions (on its own captured step). An error on any rank is raised on
+    every rank (the first in rank order: the same exception where it pickles)."""
     if dist.get_world_size() == 1:
         return choose()
-    box: list = [None]
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("plan", choose().to_json())
-        except Exception as exc:  # the others must not wait for a plan that never comes
-            error = exc
-            box[0] = ("error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    kind, payload = box[0]
-    if kind == "error":
-        raise InputError(f"rank 0 could not plan, so no rank runs: {payload}")
-    return Plan.from_json(payload)  # rank 0 too: every rank runs the same deserialised plan
+    mine, error, text = None, None, None
+    try:
+        mine = choose()
+        text = mine.to_json()
+    except Exception as exc:  # the others must not wait for a plan that never comes
+        error = exc
+    status: list = [None] * dist.get_world_size()
+    dist.all_gather_object(status, ("error", _portable(error)) if error is not None else ("plan", text))
+    for kind, payload in status:
+        if kind == "error":
+            raise error if error is not None else payload
+    agreed = status[0][1]
+    if text == agreed:
+        return mine
+    plan = Plan.from_json(agreed)
+    plan._step = mine._step  # the same model and inputs: only the decisions differed
+    return plan
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling (what the broadcast does), else an InputError saying it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return InputError(f"rank 0 could not plan, so no rank runs: {type(exc).__name__}: {exc}")
 
 
 def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster) -> Plan:
