@@ -67,9 +67,17 @@ class Calibration:
     @property
     def pipeline_overhead_s(self) -> float:
         """Host seconds of one stage-to-stage transfer beyond the raw send/recv (PyTorch's
-        pipelining schedule and stage bookkeeping), measured by a 2-rank pipeline of trivial
-        stages (``pipeline.overhead_s``; 0 in files written before it was measured)."""
+        pipelining schedule and stage bookkeeping), measured on a loaded 1F1B pipeline of the
+        calibration's ranks (``pipeline.overhead_s``; 0 in files written before it was
+        measured)."""
         return float(self.extra.get("pipeline", {}).get("overhead_s", 0.0))
+
+    @property
+    def pipeline_wait_per_compute(self) -> float:
+        """Seconds a hand-off between local ranks waits per second of the stages' compute
+        between hand-offs (a peer descheduled while ranks share the cores), measured with two
+        stage weights (``pipeline.wait_per_compute``; 0 in older files)."""
+        return float(self.extra.get("pipeline", {}).get("wait_per_compute", 0.0))
 
     def to_dict(self) -> dict:
         """JSON-safe dict in the file format."""

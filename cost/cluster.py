@@ -54,6 +54,9 @@ class HostShare:
     cores: int
     threads: int
     threads_per_rank: int
+    # seconds a pipeline hand-off waits per second of the stages' compute between hand-offs:
+    # the receiving peer descheduled by ranks that compute (`autopar calibrate`, two stage weights)
+    wait_per_compute: float = 0.0
 
     def busy_speedup(self, ranks: int, busy: float) -> float:
         """How much faster a rank computes when only a ``busy`` fraction of the ``ranks`` runs
@@ -372,7 +375,8 @@ class Cluster:
         if threads.get("intra_op") and threads.get("cpu_count"):
             per_rank = threads_per_rank or (1 if ranks > 1 else threads["intra_op"])
             share, busy = rank_share(threads["intra_op"], threads["cpu_count"], ranks, per_rank)
-            host = HostShare(int(threads["cpu_count"]), int(threads["intra_op"]), int(per_rank))
+            host = HostShare(int(threads["cpu_count"]), int(threads["intra_op"]), int(per_rank),
+                             cal.pipeline_wait_per_compute)
         spec = GPUSpec(
             name="cpu-local",
             peak_flops={k: v * share for k, v in cal.matmul_flops.items()},

@@ -255,7 +255,8 @@ def predict(
     slowest = int(np.argmax(stage_time))
 
     # ---- the step: pipeline, data-parallel sync, optimizer
-    pipe_total, bubble = pipeline_time(float(stage_time[slowest]), p2p_time(facts, cluster, lay, scale), lay)
+    pipe_total, bubble = pipeline_time(float(stage_time[slowest]),
+                                       p2p_time(facts, cluster, lay, scale, float(stage_time[slowest])), lay)
     params_stage = params_per_stage(facts, cluster, lay)
     worst_params = float(params_stage.max())
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),

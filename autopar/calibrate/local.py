@@ -10,7 +10,8 @@ is a contract with that reader and must not change shape::
      "memory_bw": bytes/s, "kernel_floor_s": s,
      "collectives": {kind: {"latency_s": s, "busbw": bytes/s}
                      for kind in all_reduce, all_gather, reduce_scatter, all_to_all, send_recv},
-     "pipeline": {"overhead_s": s},   # per stage-to-stage transfer beyond send/recv (optional)
+     "pipeline": {"overhead_s": s,    # per stage-to-stage transfer beyond send/recv (optional),
+                  "wait_per_compute": s/s},  # and per second of the stages' compute between hand-offs
      "raw": {... every individual measurement ...}}
 
 Collective times follow the nccl-tests conventions so the numbers are comparable with the
@@ -321,7 +322,7 @@ class _Stage(torch.nn.Module):
 
 
 def _pipeline_worker(rank: int, world_size: int, microbatches: int, warmup: int,
-                     repeats: int) -> list[tuple[float, float]]:
+                     repeats: int, rows: int = _PIPE_ROWS) -> list[tuple[float, float]]:
     """(step seconds, seconds in the stage's own compute) per 1F1B step of ``world_size``
     stages, one per rank, on PyTorch's pipelining runtime (the one autopar's pipelines run on)."""
     import torch.distributed as dist
@@ -329,14 +330,14 @@ def _pipeline_worker(rank: int, world_size: int, microbatches: int, warmup: int,
 
     torch.manual_seed(rank)
     busy = [0.0]
-    example = torch.zeros(_PIPE_ROWS, _PIPE_WIDTH)
+    example = torch.zeros(rows, _PIPE_WIDTH)
     # the metadata says what needs a gradient: every activation after the first stage's input
     received = example.clone().requires_grad_(rank > 0)
     sent = example.clone().requires_grad_(True)
     stage = PipelineStage(_Stage(busy), rank, world_size, torch.device("cpu"), input_args=(received,),
                           output_args=(sent,))
     schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, target: out.mean())
-    x = torch.randn(_PIPE_ROWS * microbatches, _PIPE_WIDTH)
+    x = torch.randn(rows * microbatches, _PIPE_WIDTH)
     times = []
     for i in range(warmup + repeats):
         dist.barrier()
@@ -355,31 +356,42 @@ def _pipeline_worker(rank: int, world_size: int, microbatches: int, warmup: int,
 
 
 def _measure_pipeline(n: int, quick: bool, send_recv: dict[str, float],
-                      say: Callable[[str], None]) -> tuple[float, dict]:
-    """Seconds per stage-to-stage transfer beyond the raw send/recv, on loaded ranks.
+                      say: Callable[[str], None]) -> tuple[dict[str, float], dict]:
+    """Seconds per stage-to-stage transfer beyond the raw send/recv, on loaded ranks, at two
+    stage weights: ({"overhead_s": a, "wait_per_compute": b}, raw), the overhead of a stage
+    computing c seconds per micro-batch being a + b c.
 
     The cost model prices a 1F1B step of m micro-batches on p stages as (m + p - 1) slots of
     (stage compute t + 2 transfers) (`cost.pipeline.pipeline_step_time`), so the first stage's
-    time outside its compute is (p - 1) t + 2 (m + p - 1) transfers. Measured with stages that
-    compute like a small model's (a 64 x 1024 x 1024 matmul), as the pipeline runs: gloo,
-    PyTorch's schedule bookkeeping, and on a host with fewer cores than ranks, the wait for a
-    descheduled peer at every hand-off. Less the fitted send/recv of its bytes, the rest is
-    `CostParams.p2p_overhead_s`.
+    time outside its compute is (p - 1) t + 2 (m + p - 1) transfers. Measured with stages of a
+    64 x 1024 x 1024 matmul and of four times that, as the pipeline runs: gloo, PyTorch's
+    schedule bookkeeping, and on a host with fewer cores than ranks, the wait for a descheduled
+    peer at every hand-off, longer when the peers compute longer between hand-offs (the second
+    weight). Less the fitted send/recv of its bytes, the rest is the transfer's overhead.
     """
     microbatches = 2 * n
     warmup, repeats = (1, 3) if quick else (2, 7)
-    per_rank = spawn(_pipeline_worker, n, args=(microbatches, warmup, repeats),
-                     timeout_s=60.0 if quick else 180.0)
-    step, busy = (statistics.median(v) for v in zip(*per_rank[0]))  # the first stage, as bench runtime
-    idle = step - busy
-    transfer = max(0.0, idle - (n - 1) * busy / microbatches) / (2 * (microbatches + n - 1))
-    nbytes = _PIPE_ROWS * _PIPE_WIDTH * 4
-    raw_send = send_recv["latency_s"] + nbytes / send_recv["busbw"]
-    overhead = max(0.0, transfer - raw_send)
-    say(f"pipeline x{n} (1F1B, {microbatches} micro-batches of {nbytes // _KB} KiB): "
-        f"{transfer * 1e3:.2f} ms per transfer, {overhead * 1e3:.2f} ms beyond send/recv")
-    return overhead, {"step_s": step, "busy_s": busy, "microbatches": microbatches, "bytes": nbytes,
-                      "transfer_s": transfer, "send_recv_s": raw_send, "repeats": repeats}
+    points = []
+    for rows in (_PIPE_ROWS, 4 * _PIPE_ROWS):
+        per_rank = spawn(_pipeline_worker, n, args=(microbatches, warmup, repeats, rows),
+                         timeout_s=60.0 if quick else 180.0)
+        step, busy = (statistics.median(v) for v in zip(*per_rank[0]))  # the first stage, as bench runtime
+        idle = step - busy
+        transfer = max(0.0, idle - (n - 1) * busy / microbatches) / (2 * (microbatches + n - 1))
+        nbytes = rows * _PIPE_WIDTH * 4
+        raw_send = send_recv["latency_s"] + nbytes / send_recv["busbw"]
+        points.append({"rows": rows, "step_s": step, "busy_s": busy, "compute_s": busy / microbatches,
+                       "bytes": nbytes, "transfer_s": transfer, "send_recv_s": raw_send,
+                       "overhead_s": max(0.0, transfer - raw_send)})
+    light, heavy = points
+    slope = max(0.0, (heavy["overhead_s"] - light["overhead_s"])
+                / max(heavy["compute_s"] - light["compute_s"], 1e-9))
+    base = max(0.0, light["overhead_s"] - slope * light["compute_s"])
+    say(f"pipeline x{n} (1F1B, {microbatches} micro-batches): "
+        + ", ".join(f"{p['overhead_s'] * 1e3:.2f} ms per transfer beyond send/recv at "
+                    f"{p['compute_s'] * 1e3:.1f} ms of stage compute" for p in points))
+    return ({"overhead_s": base, "wait_per_compute": slope},
+            {"points": points, "microbatches": microbatches, "repeats": repeats})
 
 
 # --- entry points ---------------------------------------------------------------------------
@@ -433,7 +445,7 @@ def calibrate(
         "memory_bw": memory_bw,
         "kernel_floor_s": floor,
         "collectives": collectives,
-        "pipeline": {"overhead_s": pipe_overhead},
+        "pipeline": pipe_overhead,
         "raw": {
             "quick": quick,
             "threads": {
@@ -505,6 +517,8 @@ def format_calibration(data: dict[str, Any]) -> str:
     for kind, c in data.get("collectives", {}).items():
         lines.append(f"  {kind:<22}{_seconds(c['latency_s']):>14}{_si(c['busbw'], 'B/s'):>14}")
     if "pipeline" in data:
-        lines.append(f"  {'pipeline transfer':<22}{_seconds(data['pipeline']['overhead_s']):>14}"
-                     "  beyond send/recv")
+        pipe = data["pipeline"]
+        lines.append(f"  {'pipeline transfer':<22}{_seconds(pipe['overhead_s']):>14}"
+                     f"  beyond send/recv, + {pipe.get('wait_per_compute', 0.0):.3f} s per s of "
+                     "stage compute (waits for descheduled peers)")
     return "\n".join(lines)

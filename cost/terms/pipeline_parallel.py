@@ -9,7 +9,8 @@ from cost.pipeline import bubble_fraction, pipeline_step_time
 from cost.step_facts import StepFacts
 
 
-def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> float:
+def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float,
+             stage_s: float = 0.0) -> float:
     """Seconds of one stage-to-stage send of a micro-batch's block input (0 without PP).
 
     The boundary activation is the block input (sequence-sharded under SP, / cp). Adjacent
@@ -17,7 +18,9 @@ def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> f
     pipeline of tp*cp*pp ranks wider than a node has a boundary that crosses nodes, and that
     boundary gates every micro-batch. Each transfer also pays `CostParams.p2p_overhead_s`
     plus `p2p_node_overhead_s` per node of the cluster beyond the first: the handshake and the
-    stages' synchronisation with the rest of the job."""
+    stages' synchronisation with the rest of the job; and where ranks share a host's cores,
+    `HostShare.wait_per_compute` times ``stage_s`` (a stage's seconds per micro-batch): the
+    receiving peer descheduled while the others compute."""
     if lay.pp == 1:
         return 0.0
     boundary = facts.block_input_bytes * scale / lay.cp / (lay.tp if lay.sp else 1)
@@ -25,6 +28,8 @@ def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> f
     pair = Group(2, 1 if crosses else 2)
     params = cluster.params
     overhead = params.p2p_overhead_s + params.p2p_node_overhead_s * (cluster.nodes - 1)
+    if cluster.host_share is not None:
+        overhead += cluster.host_share.wait_per_compute * stage_s
     return collective_time("send_recv", boundary, pair, cluster) + overhead
 
 

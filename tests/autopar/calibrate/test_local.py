@@ -61,8 +61,12 @@ def test_quick_calibration_writes_complete_json(tmp_path: Path) -> None:
     assert any(line.startswith("all_reduce") for line in lines)
     # a 2-stage 1F1B pipeline: each transfer costs something, and not seconds
     assert 0.0 <= loaded["pipeline"]["overhead_s"] < 0.1
-    assert raw["pipeline"]["transfer_s"] >= raw["pipeline"]["send_recv_s"] or loaded["pipeline"]["overhead_s"] == 0
-    assert 0 < raw["pipeline"]["busy_s"] < raw["pipeline"]["step_s"]
+    assert 0.0 <= loaded["pipeline"]["wait_per_compute"] < 1.0  # s of waiting per s of compute
+    light, heavy = raw["pipeline"]["points"]  # two stage weights
+    assert heavy["compute_s"] > light["compute_s"]
+    for point in (light, heavy):
+        assert point["transfer_s"] >= point["send_recv_s"] or point["overhead_s"] == 0
+        assert 0 < point["busy_s"] < point["step_s"]
     assert any(line.startswith("pipeline x2") for line in lines)
 
     table = cal.format_calibration(loaded)
