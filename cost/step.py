@@ -58,10 +58,10 @@ from cost.terms.compute import (
     virtual_stages,
 )
 from cost.terms.context_parallel import cp_exposed
-from cost.terms.data_parallel import dp_comm
+from cost.terms.data_parallel import dp_comm, dp_step_syncs
 from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
-from cost.terms.pipeline_parallel import p2p_time, pipeline_time, shared_host_factor
+from cost.terms.pipeline_parallel import loss_broadcast, p2p_time, pipeline_time, shared_host_factor
 from cost.terms.recompute import (
     choose_auto,
     columns,
@@ -257,11 +257,14 @@ def predict(
     # ---- the step: pipeline, data-parallel sync, optimizer
     pipe_total, bubble = pipeline_time(float(stage_time[slowest]),
                                        p2p_time(facts, cluster, lay, scale, float(stage_time[slowest])), lay)
+    pipe_total += loss_broadcast(cluster, lay)
     params_stage = params_per_stage(facts, cluster, lay)
     worst_params = float(params_stage.max())
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),
                                    float(bwd[slowest]), float(recomp[slowest]),
                                    float(tp_hidden_fwd[slowest]), float(tp_hidden_bwd[slowest]))
+    syncs = dp_step_syncs(cluster, lay, facts.counts_tokens)  # the token count, the loss
+    dp_exposed, dp_total = dp_exposed + syncs, dp_total + syncs
     optimizer_s = optimizer_time(cluster, lay, worst_params)
 
     step = pipe_total + dp_exposed + optimizer_s

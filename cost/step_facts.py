@@ -202,6 +202,9 @@ class StepFacts:
     # pipeline cuts balance time under each stage's memory (`cost.stages.StageMemory`); False:
     # by time alone, how measured runs of a framework that cuts so are priced (`RunPricer`)
     memory_cuts: bool = True
+    # the loss is a mean over valid tokens (`passes.token_count`): the executor all-reduces
+    # their count over the data-parallel ranks every step
+    counts_tokens: bool = False
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -364,15 +364,16 @@ def _measure_pipeline(n: int, quick: bool, send_recv: dict[str, float],
     The cost model prices a 1F1B step of m micro-batches on p stages as (m + p - 1) slots of
     (stage compute t + 2 transfers) (`cost.pipeline.pipeline_step_time`), so the first stage's
     time outside its compute is (p - 1) t + 2 (m + p - 1) transfers. Measured with stages of a
-    64 x 1024 x 1024 matmul and of four times that, as the pipeline runs: gloo, PyTorch's
+    64 x 1024 x 1024 matmul and of eight times that (a few ms and some tens of ms per
+    micro-batch, as small models' stages compute on CPU ranks), as the pipeline runs: gloo, PyTorch's
     schedule bookkeeping, and on a host with fewer cores than ranks, the wait for a descheduled
     peer at every hand-off, longer when the peers compute longer between hand-offs (the second
     weight). Less the fitted send/recv of its bytes, the rest is the transfer's overhead.
     """
     microbatches = 2 * n
-    warmup, repeats = (1, 3) if quick else (2, 7)
+    warmup, repeats = (1, 3) if quick else (2, 9)
     points = []
-    for rows in (_PIPE_ROWS, 4 * _PIPE_ROWS):
+    for rows in (_PIPE_ROWS, 8 * _PIPE_ROWS):
         per_rank = spawn(_pipeline_worker, n, args=(microbatches, warmup, repeats, rows),
                          timeout_s=60.0 if quick else 180.0)
         step, busy = (statistics.median(v) for v in zip(*per_rank[0]))  # the first stage, as bench runtime

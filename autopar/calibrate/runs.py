@@ -221,8 +221,10 @@ class RunPricer:
             step = self._step(run.model, run.seq)
             base = step.facts_for(self.cluster(run.nodes), run.layout)
             # the runs' framework cut its pipelines by compute, not under each stage's memory:
-            # priced so, a run that ran out of memory is not made to fit by a better cut
-            self._facts[key] = dataclasses.replace(base.rebatch(run.global_batch), memory_cuts=False, _memo={})
+            # priced so, a run that ran out of memory is not made to fit by a better cut; and it
+            # does not all-reduce a token count every step (autopar's runtime does)
+            self._facts[key] = dataclasses.replace(base.rebatch(run.global_batch), memory_cuts=False,
+                                                   counts_tokens=False, _memo={})
         return self._facts[key]
 
     def _step(self, model: str, seq: int):

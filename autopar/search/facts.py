@@ -26,6 +26,7 @@ from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepF
 from passes.fp8 import cast_shares, weight_matmuls
 from passes.pipeline_split import weight_half_reads
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
+from passes.token_count import mean_loss_node
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 # the columns of `NodeTable` and `SavedTable` as built here, with their array dtypes
@@ -197,6 +198,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         expert_io_bytes=expert_io,
         tp_fallbacks=sorted(tp.fallback_ops),
         zb_stash_bytes=_zb_stash(graph, analysis, layer_eff, n_layers),
+        counts_tokens=mean_loss_node(graph.gm, next(o.index for o in graph.outputs if o.kind == "loss")) is not None,
     )
     return facts
 

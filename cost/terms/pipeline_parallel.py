@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cost.cluster import Cluster
-from cost.comm import Group, collective_time
+from cost.comm import Group, axis_group, collective_time
 from cost.layout import Layout
 from cost.pipeline import bubble_fraction, pipeline_step_time
 from cost.step_facts import StepFacts
@@ -58,3 +58,12 @@ def shared_host_factor(cluster: Cluster, lay: Layout) -> float:
     schedule = lay.schedule
     busy = 1.0 / (1.0 + bubble_fraction(schedule, lay.pp, lay.grad_accum, lay.virtual_stages))
     return 1.0 / cluster.host_share.busy_speedup(cluster.gpus_per_node, busy)
+
+
+def loss_broadcast(cluster: Cluster, lay: Layout) -> float:
+    """Seconds of the loss's broadcast from the last stage to the pipeline's other ranks after
+    the schedule (runtime/pipeline.py), priced as an all-reduce of one value (latency-bound);
+    0 without a pipeline."""
+    if lay.pp == 1:
+        return 0.0
+    return collective_time("all_reduce", 4.0, axis_group(cluster, lay.pp, lay.tp * lay.cp), cluster)
