@@ -38,6 +38,7 @@ rank allocates only its shards, filled from a checkpoint of any layout by
 from __future__ import annotations
 
 import copy
+import hashlib
 import pickle
 from collections.abc import Callable, Sequence
 
@@ -543,9 +544,10 @@ def _one_plan(choose: Callable[[], Plan]) -> Plan:
     layouts or TP roles can break another way in another process (floats summed in another
     order: Python's per-process hash seeds order sets), and ranks running different plans fail
     in a collective (gloo: "Received data size doesn't match expected size") or hang. Every
-    rank plans, the plans are exchanged (JSON), and a rank whose plan differs from rank 0's
-    runs rank 0's decisions (on its own captured step). An error on any rank is raised on
-    every rank (the first in rank order: the same exception where it pickles)."""
+    rank plans and the ranks compare digests of their plans; where one differs rank 0's plan
+    (JSON) is broadcast and a rank whose plan differs runs rank 0's decisions (on its own
+    captured step). An error on any rank is raised on every rank (the first in rank order:
+    the same exception where it pickles)."""
     if dist.get_world_size() == 1:
         return choose()
     mine, error, text = None, None, None
@@ -555,14 +557,18 @@ def _one_plan(choose: Callable[[], Plan]) -> Plan:
     except Exception as exc:  # the others must not wait for a plan that never comes
         error = exc
     status: list = [None] * dist.get_world_size()
-    dist.all_gather_object(status, ("error", _portable(error)) if error is not None else ("plan", text))
+    dist.all_gather_object(status, ("error", _portable(error)) if error is not None
+                           else ("plan", hashlib.sha256(text.encode()).hexdigest()))
     for kind, payload in status:
         if kind == "error":
             raise error if error is not None else payload
-    agreed = status[0][1]
-    if text == agreed:
+    if all(digest == status[0][1] for _, digest in status):
         return mine
-    plan = Plan.from_json(agreed)
+    box = [text if dist.get_rank() == 0 else None]  # only when they differ: one plan's bytes
+    dist.broadcast_object_list(box, src=0)
+    if box[0] == text:
+        return mine
+    plan = Plan.from_json(box[0])
     plan._step = mine._step  # the same model and inputs: only the decisions differed
     return plan
 
