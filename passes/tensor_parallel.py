@@ -323,12 +323,10 @@ class _Interpreter:
         args = (x, *args[1:3], dy) if backward else (x, *args[1:])
         out = node.target(*_locals(args), **dict(zip(kwargs, _locals(kwargs.values()))))
         val = node.meta["val"]
-        # every local laid out as the global shape says (`_placed` claims contiguous strides;
-        # transformers' backward returns dW with the strides of the transposed weight view)
         if not backward:
-            return _placed(out.contiguous(), self.mesh, feature if dim == 2 else Partial(), val.shape)
-        dx = _placed(out[0].contiguous(), self.mesh, Partial() if dim == 2 else feature, val[0].shape)
-        return dx, _placed(out[1].contiguous(), self.mesh, wp, val[1].shape)
+            return _placed(out, self.mesh, feature if dim == 2 else Partial(), val.shape)
+        dx = _placed(out[0], self.mesh, Partial() if dim == 2 else feature, val[0].shape)
+        return dx, _placed(out[1], self.mesh, wp, val[1].shape)
 
     def _grouped_weight_grad(self, node, args, kwargs):
         """aten's dW = grouped(X^T, dY): dY sharded on its features (a column weight) gives dW
@@ -342,7 +340,7 @@ class _Interpreter:
         else:
             return self._replicated(node, args, kwargs, None)
         out = node.target(*_locals(args), **dict(zip(kwargs, _locals(kwargs.values()))))
-        return _placed(out.contiguous(), self.mesh, placement, node.meta["val"].shape)
+        return _placed(out, self.mesh, placement, node.meta["val"].shape)
 
     def _replicated(self, node, args, kwargs, exc):
         """No strategy shards this op (``exc`` from DTensor, or None where the plan says so):
@@ -404,7 +402,7 @@ def _split_parts(node, args):
     local = x.to_local()
     shape = list(x.shape)
     shape[dim] = size
-    return tuple(_placed(part.contiguous(), x.device_mesh, Shard(dim), shape)  # as `_placed` claims
+    return tuple(_placed(part, x.device_mesh, Shard(dim), shape)
                  for part in local.split(local.shape[dim] // p.split_factor, dim))
 
 
