@@ -91,3 +91,42 @@ def train_and_compare(pm, ref, batch, label, steps: int = 3,
             failures += _step_both(pm, ref, batch, (*label, make.__name__, step), opt, ref_opt)
         failures += _param_mismatches(pm, ref, (*label, f"params after {steps} {make.__name__} steps"))
     return failures
+
+
+def tp_checks(pm, label) -> list[tuple]:
+    """Weights sharded over TP (every expert weight of an MoE), and no gather of a fused
+    projection's output to split it into its parts (or of its gradient's parts to join them)."""
+    from autopar.execution.parallelize import placement_of
+
+    failures = []
+    sharded = {n for n, q in pm.named_parameters() if any(placement_of(p).is_shard for p in q.placements[1:])}
+    experts = {n for n, _ in pm.named_parameters() if ".experts." in n}
+    if not sharded or experts - sharded:
+        failures.append((*label, "not sharded over TP", sorted(experts - sharded) or "any parameter"))
+    moved = [n.meta.get("autopar", "") for n in pm._rank_graph.gm.graph.nodes
+             if str(n.target).startswith("_c10d_functional.")]
+    split = [m for m in moved if "(split.Tensor)" in m or "(cat.default)" in m]
+    if split:
+        failures.append((*label, "fused parts gathered", split))
+    return failures
+
+
+def moved_checkpoint(build: Callable[[int], torch.nn.Module], world: int, batch, before, after,
+                     path: str, optimizer: Callable) -> tuple:
+    """(trained, loaded): ``build(seed=1)`` parallelised under layout ``before`` and trained one
+    step with ``optimizer``, its state saved with torch.distributed.checkpoint to ``path``, and
+    ``build(seed=2)`` parallelised under ``after`` with that checkpoint loaded into it."""
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+
+    pm = autopar.parallelize(build(1), world, example_inputs=batch, layout=before)
+    opt = optimizer(pm.parameters())
+    pm(*batch).backward()
+    opt.step()
+    dcp.save(pm.state_dict(), checkpoint_id=path)
+    fresh = autopar.parallelize(build(2), world, example_inputs=batch, layout=after)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    return pm, fresh

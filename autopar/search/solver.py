@@ -27,11 +27,11 @@ from cost.step import (
     Prediction,
     StepFacts,
     check_layout,
-    comm_overlap,
     default_precision,
     predict,
     predict_memory,
 )
+from cost.terms.tensor_parallel import regather_exposed_share
 
 
 class NoFeasiblePlanError(AutoparError):
@@ -148,7 +148,7 @@ def search(
     capacity = cluster.gpu.memory_bytes
     resharded: dict[Layout, Prediction] = {}  # ZeRO-3 layouts that fit, for their kept twins
     regathered: dict[Layout, Prediction] = {}  # TP+SP layouts that recompute, for their kept twins
-    keeping_gathers_may_pay = _regathers_cost(cluster)
+    keeping_gathers_may_pay = regather_exposed_share(cluster) > 0  # else a regather is free
     last_report = time.perf_counter()
     for cross in (False, True):
         for tp in tp_degrees(base, cluster, cross):
@@ -211,14 +211,6 @@ def _keeping_may_pay(resharded: Prediction | None, cluster: Cluster) -> bool:
     if resharded is None:
         return False
     return resharded.time_breakdown["dp_comm_exposed_s"] > 0 or cluster.params.overlap_slowdown > 0
-
-
-def _regathers_cost(cluster: Cluster) -> bool:
-    """Whether a regathered SP all-gather costs step time on ``cluster``
-    (`cost.terms.tensor_parallel.sp_regather`): not where it hides wholly behind the matmuls
-    and hiding slows nothing; keeping the gathers then only costs memory."""
-    params = cluster.params
-    return comm_overlap(cluster) * params.tp_overlap < 1.0 or params.overlap_slowdown > 0
 
 
 @dataclass

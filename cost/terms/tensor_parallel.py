@@ -106,10 +106,18 @@ def sp_regather(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float, n
         return np.zeros(pp)
     ev = facts.events
     cost = _event_costs(facts, cluster, lay, scale)
-    overlap = comm_overlap(cluster) * cluster.params.tp_overlap
-    exposed = (1.0 - overlap) + overlap * cluster.params.overlap_slowdown
     slot_stage = stage_of(facts, ev.layer, cluster, lay)
-    return np.bincount(slot_stage, weights=cost * _block_gathers(facts, n_layers) * exposed, minlength=pp)
+    return np.bincount(slot_stage, weights=cost * _block_gathers(facts, n_layers) * regather_exposed_share(cluster),
+                       minlength=pp)
+
+
+def regather_exposed_share(cluster: Cluster) -> float:
+    """Seconds of step time per second of a regathered SP all-gather: the part that does not
+    hide behind the matmuls, and what the hidden part slows them by
+    (`CostParams.overlap_slowdown`). 0 where it hides wholly and hiding is free (the default
+    h100 profile): keeping the gathers then only costs memory."""
+    overlap = comm_overlap(cluster) * cluster.params.tp_overlap
+    return (1.0 - overlap) + overlap * cluster.params.overlap_slowdown
 
 
 def kept_sp_gathers(facts: StepFacts, cluster: Cluster, lay: Layout, pp: int) -> np.ndarray:

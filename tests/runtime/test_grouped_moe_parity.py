@@ -12,7 +12,6 @@ against the noise of the same comparison under plain DP (measured: 2.8 % under d
 import copy
 
 import torch
-from test_hf_parity import _tp_checks
 
 from runtime.launch import spawn
 
@@ -21,7 +20,7 @@ LAYOUTS = [{"tp": 2}, {"tp": 2, "sp": True}]
 
 def _worker(rank: int, world: int) -> list[tuple]:
     import grouped_moe
-    from parity_checks import contract
+    from parity_checks import contract, tp_checks
 
     import autopar
 
@@ -32,7 +31,7 @@ def _worker(rank: int, world: int) -> list[tuple]:
         batch = grouped_moe.batch()
         pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
         label = ("grouped-moe", pm.plan.layout.short())
-        failures += contract(pm, label) + _tp_checks(pm, label)
+        failures += contract(pm, label) + tp_checks(pm, label)
         loss = pm(*batch)
         loss.backward()
         ref_loss = ref(*batch)

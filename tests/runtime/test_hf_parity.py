@@ -14,7 +14,7 @@ concatenated: the MoE experts (transformers' grouped matmuls) run column- and ro
 import copy
 
 import pytest
-from parity_checks import adamw, contract, sgd, train_and_compare
+from parity_checks import adamw, contract, sgd, tp_checks, train_and_compare
 
 from runtime.launch import spawn
 
@@ -40,26 +40,8 @@ def _worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
             label = (family, pm.plan.layout.short())
             failures += contract(pm, label)
             if pm.plan.layout.tp > 1:
-                failures += _tp_checks(pm, label)
+                failures += tp_checks(pm, label)
             failures += train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd, adamw))
-    return failures
-
-
-def _tp_checks(pm, label) -> list[tuple]:
-    """Weights sharded over TP (every expert weight of an MoE), and no gather of a fused
-    projection's output to split it into its parts (or of its gradient's parts to join them)."""
-    from autopar.execution.parallelize import placement_of
-
-    failures = []
-    sharded = {n for n, q in pm.named_parameters() if any(placement_of(p).is_shard for p in q.placements[1:])}
-    experts = {n for n, _ in pm.named_parameters() if ".experts." in n}
-    if not sharded or experts - sharded:
-        failures.append((*label, "not sharded over TP", sorted(experts - sharded) or "any parameter"))
-    moved = [n.meta.get("autopar", "") for n in pm._rank_graph.gm.graph.nodes
-             if str(n.target).startswith("_c10d_functional.")]
-    split = [m for m in moved if "(split.Tensor)" in m or "(cat.default)" in m]
-    if split:
-        failures.append((*label, "fused parts gathered", split))
     return failures
 
 

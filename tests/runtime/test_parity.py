@@ -208,7 +208,7 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> list:
     """A checkpoint saved under one plan loads under the next with every value equal: ZeRO-3,
     then FP8 matmuls under DP (the weights stay fp32; the casts live in the graph), then TP+SP
     (pipelines: test_pipeline_parity)."""
-    import torch.distributed.checkpoint as dcp
+    from parity_checks import moved_checkpoint
 
     import autopar
     from autopar import models
@@ -218,15 +218,9 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> list:
                autopar.Layout(dp=world, fp8="all"), autopar.Layout(tp=world, sp=True)]
     failures = []
     for k, (before, after) in enumerate(zip(layouts, layouts[1:])):
-        pm = autopar.parallelize(models.build("tiny-llama", seed=1), world, example_inputs=batch, layout=before)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        pm(*batch).backward()
-        opt.step()
-        dcp.save(pm.state_dict(), checkpoint_id=f"{path}/{k}")
-        fresh = autopar.parallelize(models.build("tiny-llama", seed=2), world, example_inputs=batch, layout=after)
-        state = fresh.state_dict()
-        dcp.load(state, checkpoint_id=f"{path}/{k}")
-        fresh.load_state_dict(state)
+        pm, fresh = moved_checkpoint(lambda seed: models.build("tiny-llama", seed=seed), world, batch,
+                                     before, after, f"{path}/{k}",
+                                     lambda params: torch.optim.AdamW(params, lr=1e-3))
         saved = dict(pm.named_parameters())
         for name, p in fresh.named_parameters():
             if not torch.equal(p.full_tensor(), saved[name].full_tensor()):

@@ -221,7 +221,7 @@ def test_zero_bubble_runs_weight_gradients_later():
 def _checkpoint_worker(rank: int, world: int, path: str) -> list:
     """A checkpoint saved under one plan loads under another, pipelines included."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    from parity_checks import moved_checkpoint
 
     import autopar
     from autopar import models
@@ -231,15 +231,9 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> list:
                autopar.Layout(pp=world, schedule="afab", grad_accum=4)]
     failures = []
     for k, (before, after) in enumerate(zip(layouts, layouts[1:])):
-        pm = autopar.parallelize(models.build("tiny-gpt2", seed=1), world, example_inputs=batch, layout=before)
-        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-        pm(*batch).backward()
-        opt.step()
-        dcp.save(pm.state_dict(), checkpoint_id=f"{path}/{k}")
-        fresh = autopar.parallelize(models.build("tiny-gpt2", seed=2), world, example_inputs=batch, layout=after)
-        state = fresh.state_dict()
-        dcp.load(state, checkpoint_id=f"{path}/{k}")
-        fresh.load_state_dict(state)
+        pm, fresh = moved_checkpoint(lambda seed: models.build("tiny-gpt2", seed=seed), world, batch,
+                                     before, after, f"{path}/{k}",
+                                     lambda params: torch.optim.SGD(params, lr=0.1))
         # every rank's values, from whichever stage held them on either side
         mine = [{n: p.full_tensor() for n, p in m.named_parameters()} for m in (pm, fresh)]
         both = [None] * world
