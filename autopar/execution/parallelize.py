@@ -574,12 +574,12 @@ def _one_plan(choose: Callable[[], Plan]) -> Plan:
 
 
 def _portable(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling (what the broadcast does), else an InputError saying it."""
+    """``exc`` if it survives pickling (what the all-gather does), else an InputError saying it."""
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:
-        return InputError(f"rank 0 could not plan, so no rank runs: {type(exc).__name__}: {exc}")
+        return InputError(f"a rank could not plan, so no rank runs: {type(exc).__name__}: {exc}")
 
 
 def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster) -> Plan:
