@@ -48,6 +48,7 @@ from cost.terms.compute import (
     FRAMEWORK_EFFICIENCY,
     compute_per_stage,
     fp8_candidates,
+    host_bound,
     host_overhead_per_stage,
     node_stages,
     node_times,
@@ -251,7 +252,8 @@ def predict(
                                                           n_layers, pp)
     cp_comm = cp_exposed(facts, cluster, lay, times, scale)
     ep = ep_comm(facts, cluster, lay, scale)
-    stage_time = fwd + bwd + host + recomp + tp_comm + cp_comm + ep
+    device_time = fwd + bwd + recomp + tp_comm + cp_comm + ep
+    stage_time = host_bound(cluster, device_time, host)
     slowest = int(np.argmax(stage_time))
 
     # ---- the step: pipeline, data-parallel sync, optimizer
@@ -279,7 +281,7 @@ def predict(
     worst = memory or max(_memory(facts, cluster, lay, rec, params_stage), key=lambda b: b.total)
     time_breakdown = {
         "compute_s": m * float(fwd[slowest] + bwd[slowest]),
-        "host_overhead_s": m * float(host[slowest]),
+        "host_overhead_s": m * float(stage_time[slowest] - device_time[slowest]),
         "recompute_s": m * float(recomp[slowest]),
         "tp_comm_s": m * float(tp_comm[slowest]),
         "cp_comm_exposed_s": m * float(cp_comm[slowest]),

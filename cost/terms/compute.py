@@ -171,6 +171,17 @@ def host_overhead_per_stage(facts: StepFacts, cluster: Cluster, layout: Layout) 
     return blocks * cluster.params.layer_overhead_s
 
 
+def host_bound(cluster: Cluster, device_s: np.ndarray, host_s: np.ndarray) -> np.ndarray:
+    """Seconds of a micro-batch on each stage given its device work and its host overhead
+    (`host_overhead_per_stage`). A GPU's kernels are launched asynchronously: the host runs
+    ahead while the device works, so a micro-batch takes the longer of the two (a step is
+    launch-bound when its kernels are small: many TP ranks, small micro-batches). A CPU rank
+    runs its kernels on the host itself: the two add."""
+    if cluster.gpu.is_cpu:
+        return device_s + host_s
+    return np.maximum(device_s, host_s)
+
+
 def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     """Pipeline chunk of every slot (index = block index + 1: 0 before the blocks, L + 1
     after): the contiguous cut of `cost.stages.balanced_cuts` into ``pp * v`` chunks (v virtual
