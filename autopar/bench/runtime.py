@@ -62,9 +62,10 @@ def _layouts(world: int, n_layers: int) -> dict[str, dict | None]:
     return layouts
 
 
-def _time_pair(steps: list, warmup: int, repeat: int) -> list[float]:
-    """Median step time of each step function, the functions interleaved step by step so
-    that all see the same machine state (the other ranks, the second core's load)."""
+def _time_pair(steps: list, warmup: int, repeat: int) -> list[list[float]]:
+    """Every timed step of each step function (``repeat`` rounds), the functions interleaved
+    step by step so that all see the same machine state (the other ranks, the second core's
+    load): round i of one function and round i of another ran seconds apart."""
     import torch.distributed as dist
 
     for _ in range(warmup):
@@ -78,7 +79,7 @@ def _time_pair(steps: list, warmup: int, repeat: int) -> list[float]:
             step()
             dist.barrier()
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def _hand_written(layout, model, batch, world: int):
@@ -286,9 +287,11 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
     # every layout's steps and the hand-written ones round-robin: all see the same machine state
     times = _time_pair([fn for _, _, step, hand in built for fn in (step, hand)], warmup, repeat)
     rows = []
-    for (label, plan, step, _), measured, hand_s in zip(built, times[0::2], times[1::2]):
+    for (label, plan, step, _), samples, hand in zip(built, times[0::2], times[1::2]):
+        measured, hand_s = statistics.median(samples), statistics.median(hand)
         row = {"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
-               "measured_s": measured, "hand_written_s": hand_s, "autopar_over_hand": measured / hand_s}
+               "measured_s": measured, "hand_written_s": hand_s, "autopar_over_hand": measured / hand_s,
+               "samples_s": samples}
         if plan.layout.pp > 1:
             tb = plan.predicted.time_breakdown
             row["idle_measured_s"] = _pipeline_idle(step, repeat)
@@ -418,7 +421,11 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
     sample, fitted_by = _sample(_num_params(cfg))
     by = {r["layout"]: r for r in rows}
     base, full = by["ZeRO-3"], by["ZeRO-3 + full recompute"]
-    overhead = {"measured_s": full["measured_s"] - base["measured_s"],
+    # the median of the rounds' differences: round i of both ran seconds apart, so a slow
+    # stretch of the machine cancels (the difference of two medians does not pair them)
+    paired = [f - b for f, b in zip(full["samples_s"], base["samples_s"])]
+    overhead = {"measured_s": statistics.median(paired),
+                "measured_difference_of_medians_s": full["measured_s"] - base["measured_s"],
                 "predicted_s": full["predicted_s"] - base["predicted_s"]}
     overhead["predicted_over_measured"] = overhead["predicted_s"] / overhead["measured_s"]
     return json_ready({"sample": sample, "fitted_by": fitted_by,"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
@@ -459,8 +466,9 @@ def _overhead_line(result: dict) -> str:
     o = result.get("recompute_overhead")
     if not o:
         return ""
-    return (f"\nfull recompute over ZeRO-3: measured +{fmt_time(o['measured_s'])}, predicted "
-            f"+{fmt_time(o['predicted_s'])} (predicted / measured {o['predicted_over_measured']:.2f})")
+    return (f"\nfull recompute over ZeRO-3: measured +{fmt_time(o['measured_s'])} (median of the rounds' "
+            f"differences; difference of the medians +{fmt_time(o['measured_difference_of_medians_s'])}), "
+            f"predicted +{fmt_time(o['predicted_s'])} (predicted / measured {o['predicted_over_measured']:.2f})")
 
 
 def _sample_line(result: dict) -> str:
