@@ -7,7 +7,9 @@ differences with a fixed step, no random start):
 - time: for every run that trained, r = log(predicted tok/s/GPU) - log(measured), over the
   parameters that move the step time (`TIME_PARAMETERS`), with a soft-L1 loss so that the runs
   the model cannot explain (stalls, crashes that still logged a throughput, stragglers) pull
-  less on the rest;
+  less on the rest; plus, for a parameter with a published measurement
+  (`cost.params.ParamSpec.prior`: the slowdown overlapped communication costs compute), a
+  weak pull toward it (`prior_residuals`), which decides it only where the runs do not;
 - memory: for every run with a measured peak, log(predicted / measured) (the prediction less
   the reserve, which no allocator counts), plus the outcome:
   a run that trained but is predicted not to fit costs log(predicted / capacity), a run that
@@ -33,6 +35,10 @@ from cost.params import MEMORY_PARAMETERS, SPECS, TIME_PARAMETERS, CostParams
 from cost.profile import COVERAGE_FIELDS, CostProfile, save_profile
 
 FAILED_WEIGHT = 0.3  # a failed run predicted to fit: weaker evidence than a measured peak
+# a parameter with a published measurement (`cost.params.ParamSpec.prior`) adds the residual
+# PRIOR_WEIGHT * (value - prior): 0.1 away from it costs what one run predicted 10 % off does,
+# so a thousand runs override it wherever they constrain the parameter at all
+PRIOR_WEIGHT = 1.0
 # soft-L1 loss: a residual beyond 0.1 (10 % in throughput) weighs linearly, not squared, so a
 # cell's pathological runs (1.3 s stalls per micro-batch) pull less on the rest. A Cauchy loss
 # with weights favouring each cell's fast runs was tried (session 5): the same regret and
@@ -86,6 +92,12 @@ def time_residuals(runs: Sequence[Run], priced: Priced) -> np.ndarray:
     return np.array(out)
 
 
+def prior_residuals(params: CostParams, names: Sequence[str]) -> np.ndarray:
+    """``PRIOR_WEIGHT`` * (value - prior) of each parameter in ``names`` that has a prior."""
+    return np.array([PRIOR_WEIGHT * (getattr(params, n) - SPECS[n].prior) for n in names
+                     if SPECS[n].prior is not None])
+
+
 def memory_residuals(runs: Sequence[Run], priced: Priced, reserve_bytes: float) -> np.ndarray:
     """Measured peaks (log predicted / measured) and outcomes (see the module docstring).
 
@@ -133,7 +145,8 @@ def fit_params(runs: Sequence[Run], pricer: RunPricer, start: CostParams | None 
     def time_fun(x):
         evals["time"] += 1
         params = _from_x(x, memory_params, TIME_PARAMETERS)
-        return time_residuals(trained, pricer.price(trained, params))
+        return np.concatenate([time_residuals(trained, pricer.price(trained, params)),
+                               prior_residuals(params, TIME_PARAMETERS)])
 
     def memory_fun(x):
         evals["memory"] += 1

@@ -7,16 +7,18 @@ import numpy as np
 import pytest
 
 from autopar.calibrate.fit import (
+    PRIOR_WEIGHT,
     fit_params,
     fit_profile,
     format_fit,
     memory_residuals,
+    prior_residuals,
     time_residuals,
 )
 from autopar.calibrate.runs import Run, RunPricer
 from cost.cluster import Cluster
 from cost.layout import Layout
-from cost.params import PARAMETERS, CostParams
+from cost.params import MEMORY_PARAMETERS, PARAMETERS, SPECS, TIME_PARAMETERS, CostParams
 from cost.step import predict
 
 TRUTH = CostParams(framework_efficiency=0.7, collective_overhead_s=2e-4,
@@ -63,6 +65,25 @@ def test_fit_recovers_what_generated_the_runs(synthetic):
     for spec in PARAMETERS:  # never outside the physical bounds
         assert spec.lower <= getattr(result.params, spec.name) <= spec.upper
     assert result.report["in_sample_log_throughput_rms"] < 0.03
+
+
+def test_a_published_prior_decides_what_the_runs_leave_free():
+    pricer = RunPricer("h100", gpus_per_node=2)
+    assert SPECS["overlap_slowdown"].prior == CostParams().overlap_slowdown  # the default
+    assert prior_residuals(CostParams(overlap_slowdown=0.389), TIME_PARAMETERS).tolist() == \
+        pytest.approx([PRIOR_WEIGHT * 0.2])
+    assert prior_residuals(CostParams(), MEMORY_PARAMETERS).size == 0
+    # pipelines alone (pp2 on 2 devices: no dp, tp or cp): nothing overlaps, so no run moves the
+    # slowdown;
+    # the fit, started away from the published value, ends on it
+    runs = []
+    for i, mb in enumerate((1, 2, 4)):
+        lay = Layout(pp=2, microbatch=mb, grad_accum=64 // mb, precision="bf16")
+        probe = Run(100 + i, "tiny-llama", 1, lay, 64, 1.0, None)
+        p = predict(pricer.facts(probe), Cluster("h100", nodes=1, gpus_per_node=2, params=TRUTH), lay)
+        runs.append(Run(100 + i, "tiny-llama", 1, lay, 64, p.tokens_per_s_per_gpu, None))
+    result = fit_params(runs, pricer, start=CostParams(overlap_slowdown=0.6), max_evals=300)
+    assert result.params.overlap_slowdown == pytest.approx(SPECS["overlap_slowdown"].prior, abs=0.02)
 
 
 def test_residuals_count_outcomes(synthetic):
