@@ -133,7 +133,8 @@ def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.
 
 
 def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,
-                      cols: RecomputeColumns) -> tuple[np.ndarray, float]:
+                      cols: RecomputeColumns, sweep: tuple[np.ndarray, np.ndarray] | None = None
+                      ) -> tuple[np.ndarray, float]:
     """(saved bytes of one micro-batch per stage, transient bytes) under ``cols``.
 
     ``local``: `local_saved_bytes`; ``stage``: the stage of each row. The transient: at the
@@ -142,12 +143,22 @@ def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp
     count misses (it made micro-batches 1.2-2.3x larger than the playbook could run look like
     they fit: `autopar bench cost-model`, section 4b); and under recompute, a block's backward
     first rebuilds its recomputed values, live beside the kept ones while that block's
-    backward runs, one block at a time."""
+    backward runs, one block at a time. ``sweep``: `rebuilt_sweep` of ``cols`` when the caller
+    keeps it (`choice_sweep`)."""
     kept = local * cols.kept
     per_stage = np.bincount(stage, weights=kept, minlength=pp)
     transient = 2.0 * float(kept.max()) if len(local) else 0.0
-    transient += rebuilt_peak(local, cols.rebuilt, facts.saved.layer)
+    transient += float(rebuilt_peaks(local, cols.rebuilt, facts.saved.layer,
+                                     np.zeros(len(local), dtype=int), 1, sweep)[0])
     return per_stage, transient
+
+
+def choice_sweep(facts: StepFacts, choice: RecomputeChoice) -> tuple[np.ndarray, np.ndarray]:
+    """`rebuilt_sweep` of ``choice``'s columns (memoised: it depends on the graph alone)."""
+    key = ("rebuilt_sweep", choice)
+    if key not in facts._memo:
+        facts._memo[key] = rebuilt_sweep(columns(facts, choice).rebuilt, facts.saved.layer)
+    return facts._memo[key]
 
 
 def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
@@ -170,11 +181,8 @@ def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndar
         kept = mine * cols.kept
         per_stage += np.bincount(stage, weights=kept, minlength=pp)
         np.maximum.at(largest, stage, kept)
-        key = ("rebuilt_sweep", choice)
-        if key not in facts._memo:
-            facts._memo[key] = rebuilt_sweep(cols.rebuilt, facts.saved.layer)
         rebuilt = np.maximum(rebuilt, rebuilt_peaks(mine, cols.rebuilt, facts.saved.layer, stage, pp,
-                                                    facts._memo[key]))
+                                                    choice_sweep(facts, choice)))
     return per_stage, 2.0 * largest.max() + rebuilt
 
 
@@ -205,7 +213,8 @@ def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: 
     pp = len(room)
 
     def fits(choice: RecomputeChoice) -> bool:
-        per_stage, transient = activation_memory(facts, local, stage, pp, columns(facts, choice))
+        per_stage, transient = activation_memory(facts, local, stage, pp, columns(facts, choice),
+                                                 choice_sweep(facts, choice))
         return bool(np.all(per_stage * flight + transient <= room))
 
     for choice in (RecomputeChoice("none"), RecomputeChoice("selective")):
@@ -225,7 +234,8 @@ def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: 
     seconds = (extra_nodes * times[:, None]).T @ np.eye(pp)[node_stage]  # groups x stages
     base_s = stage_base_s + rerun_per_stage(node_stage, times, sel.rerun, pp)
     useful = [i for i in range(len(groups)) if freed[i].max() > 0]
-    sel_per_stage, sel_transient = activation_memory(facts, local, stage, pp, sel)
+    sel_per_stage, sel_transient = activation_memory(facts, local, stage, pp, sel,
+                                                     choice_sweep(facts, RecomputeChoice("selective")))
     need = sel_per_stage * flight + sel_transient - room  # bytes to free per stage (> 0 somewhere)
     if len(useful) <= MAX_EXACT_GROUPS:
         subsets = np.array(list(itertools.product((0, 1), repeat=len(useful))), dtype=float)
