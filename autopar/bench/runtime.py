@@ -427,7 +427,9 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
     overhead = {"measured_s": statistics.median(paired),
                 "measured_difference_of_medians_s": full["measured_s"] - base["measured_s"],
                 "predicted_s": full["predicted_s"] - base["predicted_s"]}
-    overhead["predicted_over_measured"] = overhead["predicted_s"] / overhead["measured_s"]
+    # noise can leave no measured overhead at all: no ratio then
+    overhead["predicted_over_measured"] = (overhead["predicted_s"] / overhead["measured_s"]
+                                           if overhead["measured_s"] > 0 else float("nan"))
     return json_ready({"sample": sample, "fitted_by": fitted_by,"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
                        "spearman_predicted_vs_measured": _spearman(predicted, measured),
                        "spearman_without_pipelines": _spearman(*flat),

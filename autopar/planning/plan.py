@@ -128,6 +128,8 @@ class Plan:
         rows = [
             ["compute", fmt_time(tb["compute_s"])],
             ["recompute", fmt_time(tb["recompute_s"])],
+            # a launch-bound step: the host's seconds beyond the device's (GPUs overlap the two)
+            ["host overhead", fmt_time(tb.get("host_overhead_s", 0.0))],
             ["exposed communication", fmt_time(exposed_comm)],
             ["  tensor parallel", fmt_time(tb["tp_comm_s"])],
             ["  data parallel (exposed / total)", f"{fmt_time(tb['dp_comm_exposed_s'])} / {fmt_time(tb['dp_comm_total_s'])}"],

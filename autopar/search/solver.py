@@ -148,7 +148,8 @@ def search(
     capacity = cluster.gpu.memory_bytes
     resharded: dict[Layout, Prediction] = {}  # ZeRO-3 layouts that fit, for their kept twins
     regathered: dict[Layout, Prediction] = {}  # TP+SP layouts that recompute, for their kept twins
-    keeping_gathers_may_pay = regather_exposed_share(cluster) > 0  # else a regather is free
+    # else a regather is free (only with overlap_slowdown 0: every default profile prices twins)
+    keeping_gathers_may_pay = regather_exposed_share(cluster) > 0
     last_report = time.perf_counter()
     for cross in (False, True):
         for tp in tp_degrees(base, cluster, cross):

@@ -114,8 +114,8 @@ def sp_regather(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float, n
 def regather_exposed_share(cluster: Cluster) -> float:
     """Seconds of step time per second of a regathered SP all-gather: the part that does not
     hide behind the matmuls, and what the hidden part slows them by
-    (`CostParams.overlap_slowdown`). 0 where it hides wholly and hiding is free (the default
-    h100 profile): keeping the gathers then only costs memory."""
+    (`CostParams.overlap_slowdown`). 0 only where it hides wholly and hiding is free
+    (``overlap_slowdown`` 0): keeping the gathers then only costs memory."""
     overlap = comm_overlap(cluster) * cluster.params.tp_overlap
     return (1.0 - overlap) + overlap * cluster.params.overlap_slowdown
 

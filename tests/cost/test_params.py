@@ -25,6 +25,7 @@ def test_params_are_bounded_and_round_trip():
     for spec in PARAMETERS:  # every default inside its own bounds, with a named source
         assert spec.lower <= getattr(CostParams(), spec.name) <= spec.upper
         assert spec.default_source and spec.unit
+        assert spec.prior is None or spec.lower <= spec.prior <= spec.upper
 
 
 def test_the_shipped_h100_efa_profile_is_the_fit(tmp_path):
@@ -93,6 +94,18 @@ def test_each_time_parameter_moves_the_step(llama_step):
     mem = step(memory_reserve_bytes=3e9, activation_fragmentation=1.5).memory_breakdown
     assert mem["reserve"] == 3e9
     assert mem["activations"] == pytest.approx(1.5 * base.memory_breakdown["activations"])
+
+
+def test_a_launch_bound_step_pays_the_host_and_its_terms_add_up(llama_step):
+    facts = llama_step[3].facts()
+    lay = Layout(tp=8, sp=True, microbatch=1, grad_accum=16)
+    base = predict(facts, Cluster("h100"), lay)
+    bound = predict(facts, Cluster("h100", params=CostParams(layer_overhead_s=5e-3)), lay)
+    host = bound.time_breakdown["host_overhead_s"]
+    # 2 blocks x 5 ms of host per micro-batch outlast the tp8 device's work: the excess is paid
+    assert host > 0.05 and bound.step_time_s == pytest.approx(base.step_time_s + host, rel=1e-9)
+    summed = sum(v for k, v in bound.time_breakdown.items() if k != "dp_comm_total_s")
+    assert summed == pytest.approx(bound.step_time_s, rel=1e-9)
 
 
 def test_host_overhead_is_a_floor_on_gpus_and_adds_on_cpus():
