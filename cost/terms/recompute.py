@@ -92,10 +92,12 @@ def _columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
                             nodes.rerun_selective | nodes.rerun_groups[:, index].any(axis=1))
 
 
-def rebuilt_peak(local: np.ndarray, spans: np.ndarray, layer: np.ndarray) -> float:
+def rebuilt_peak(local: np.ndarray, spans: np.ndarray, layer: np.ndarray,
+                 sweep: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """The most bytes one block's backward holds in rebuilt copies at once: a sweep over each
-    block's (made, dead) spans (a death at position t frees before a making at t + 1)."""
-    return float(rebuilt_peaks(local, spans, layer, np.zeros(len(local), dtype=int), 1)[0])
+    block's (made, dead) spans (a death at position t frees before a making at t + 1).
+    ``sweep``: `rebuilt_sweep` of ``spans`` and ``layer``, when the caller keeps it."""
+    return float(rebuilt_peaks(local, spans, layer, np.zeros(len(local), dtype=int), 1, sweep)[0])
 
 
 def rebuilt_peaks(local: np.ndarray, spans: np.ndarray, layer: np.ndarray, group: np.ndarray,
@@ -148,8 +150,7 @@ def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp
     kept = local * cols.kept
     per_stage = np.bincount(stage, weights=kept, minlength=pp)
     transient = 2.0 * float(kept.max()) if len(local) else 0.0
-    transient += float(rebuilt_peaks(local, cols.rebuilt, facts.saved.layer,
-                                     np.zeros(len(local), dtype=int), 1, sweep)[0])
+    transient += rebuilt_peak(local, cols.rebuilt, facts.saved.layer, sweep)
     return per_stage, transient
 
 
