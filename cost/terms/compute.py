@@ -20,8 +20,6 @@ from cost.step_facts import StepFacts
 from cost.terms.common import block_params, resolved
 from cost.terms.recompute import (
     activation_memory,
-    choice_sweep,
-    columns,
     fixed_choice,
     local_saved_bytes,
 )
@@ -234,8 +232,7 @@ def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemo
     static = _slot_params(facts, layout) * per_param
     choice = fixed_choice(facts, layout) if layout.recompute != "auto" else RecomputeChoice("none")
     act, transient = activation_memory(facts, local_saved_bytes(facts, cluster, layout),
-                                       np.clip(facts.saved.layer, -1, n) + 1, n + 2, columns(facts, choice),
-                                       choice_sweep(facts, choice))
+                                       np.clip(facts.saved.layer, -1, n) + 1, n + 2, choice)
     flight = [in_flight_microbatches(layout.schedule, layout.pp, layout.grad_accum, k, layout.virtual_stages)
               for k in range(layout.pp)]
     shared = (cluster.params.memory_reserve_bytes + transient

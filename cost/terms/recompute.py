@@ -135,9 +135,8 @@ def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.
 
 
 def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,
-                      cols: RecomputeColumns, sweep: tuple[np.ndarray, np.ndarray] | None = None
-                      ) -> tuple[np.ndarray, float]:
-    """(saved bytes of one micro-batch per stage, transient bytes) under ``cols``.
+                      choice: RecomputeChoice) -> tuple[np.ndarray, float]:
+    """(saved bytes of one micro-batch per stage, transient bytes) under ``choice``.
 
     ``local``: `local_saved_bytes`; ``stage``: the stage of each row. The transient: at the
     peak of the backward the largest activation and its gradient are live beside the saved
@@ -145,12 +144,12 @@ def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp
     count misses (it made micro-batches 1.2-2.3x larger than the playbook could run look like
     they fit: `autopar bench cost-model`, section 4b); and under recompute, a block's backward
     first rebuilds its recomputed values, live beside the kept ones while that block's
-    backward runs, one block at a time. ``sweep``: `rebuilt_sweep` of ``cols`` when the caller
-    keeps it (`choice_sweep`)."""
+    backward runs, one block at a time."""
+    cols = columns(facts, choice)
     kept = local * cols.kept
     per_stage = np.bincount(stage, weights=kept, minlength=pp)
     transient = 2.0 * float(kept.max()) if len(local) else 0.0
-    transient += rebuilt_peak(local, cols.rebuilt, facts.saved.layer, sweep)
+    transient += rebuilt_peak(local, cols.rebuilt, facts.saved.layer, choice_sweep(facts, choice))
     return per_stage, transient
 
 
@@ -214,8 +213,7 @@ def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: 
     pp = len(room)
 
     def fits(choice: RecomputeChoice) -> bool:
-        per_stage, transient = activation_memory(facts, local, stage, pp, columns(facts, choice),
-                                                 choice_sweep(facts, choice))
+        per_stage, transient = activation_memory(facts, local, stage, pp, choice)
         return bool(np.all(per_stage * flight + transient <= room))
 
     for choice in (RecomputeChoice("none"), RecomputeChoice("selective")):
@@ -235,8 +233,7 @@ def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: 
     seconds = (extra_nodes * times[:, None]).T @ np.eye(pp)[node_stage]  # groups x stages
     base_s = stage_base_s + rerun_per_stage(node_stage, times, sel.rerun, pp)
     useful = [i for i in range(len(groups)) if freed[i].max() > 0]
-    sel_per_stage, sel_transient = activation_memory(facts, local, stage, pp, sel,
-                                                     choice_sweep(facts, RecomputeChoice("selective")))
+    sel_per_stage, sel_transient = activation_memory(facts, local, stage, pp, RecomputeChoice("selective"))
     need = sel_per_stage * flight + sel_transient - room  # bytes to free per stage (> 0 somewhere)
     if len(useful) <= MAX_EXACT_GROUPS:
         subsets = np.array(list(itertools.product((0, 1), repeat=len(useful))), dtype=float)

@@ -25,7 +25,7 @@ def _held_worker(rank: int, world: int, schedule: str, m: int) -> tuple:
     from cost.pipeline import in_flight_microbatches
     from cost.step import recompute_choice, zb_stash_per_stage
     from cost.terms.compute import stage_of
-    from cost.terms.recompute import activation_memory, columns, local_saved_bytes
+    from cost.terms.recompute import activation_memory, local_saved_bytes
 
     cfg = dataclasses.replace(models.config("tiny-llama"), n_layers=4, hidden=128, ffn=512, vocab=512)
     batch = models.example_inputs(cfg, batch=8, seq=64)
@@ -80,7 +80,7 @@ def _held_worker(rank: int, world: int, schedule: str, m: int) -> tuple:
     per_stage, _ = activation_memory(
         facts, local_saved_bytes(facts, plan.cluster, layout),
         stage_of(facts, facts.saved.layer, plan.cluster, layout), layout.pp,
-        columns(facts, recompute_choice(facts, plan.cluster, layout)))
+        recompute_choice(facts, plan.cluster, layout))
     stage = pm._rank_graph.pipeline.rank
     flight = in_flight_microbatches(layout.schedule, layout.pp, layout.grad_accum, stage)
     stash = zb_stash_per_stage(facts, plan.cluster, layout)[stage] * flight

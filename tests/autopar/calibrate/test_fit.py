@@ -74,8 +74,7 @@ def test_a_published_prior_decides_what_the_runs_leave_free():
         pytest.approx([PRIOR_WEIGHT * 0.2])
     assert prior_residuals(CostParams(), MEMORY_PARAMETERS).size == 0
     # pipelines alone (pp2 on 2 devices: no dp, tp or cp): nothing overlaps, so no run moves the
-    # slowdown;
-    # the fit, started away from the published value, ends on it
+    # slowdown; the fit, started away from the published value, ends on it
     runs = []
     for i, mb in enumerate((1, 2, 4)):
         lay = Layout(pp=2, microbatch=mb, grad_accum=64 // mb, precision="bf16")
