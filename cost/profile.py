@@ -89,12 +89,18 @@ def save_profile(profile: CostProfile, path: str | os.PathLike) -> Path:
 COVERAGE_FIELDS = ("zero", "recompute", "cp", "ep", "precision", "schedule")
 
 
-def coverage_notes(layout, coverage: dict | None, source: str = "the fitted profile") -> list[str]:
-    """Where ``layout`` leaves what the fit's runs covered (``coverage``: field -> values seen),
-    one sentence each: the prediction there extrapolates the fit."""
+def coverage_notes(layout, coverage: dict | None, source: str = "the fitted profile",
+                   nodes: int | None = None) -> list[str]:
+    """Where ``layout`` (on ``nodes`` nodes, when given) leaves what the fit's runs covered
+    (``coverage``: field -> values seen), one sentence each: the prediction there extrapolates
+    the fit."""
     if not coverage:
         return []
     notes = []
+    seen_nodes = coverage.get("nodes")
+    if nodes is not None and seen_nodes and not min(seen_nodes) <= nodes <= max(seen_nodes):
+        notes.append(f"{source} was fitted on runs of {min(seen_nodes)}-{max(seen_nodes)} nodes, "
+                     f"none on {nodes}: this prediction extrapolates the fit")
     for name in COVERAGE_FIELDS:
         seen = coverage.get(name)
         value = getattr(layout, name, None)
@@ -105,3 +111,18 @@ def coverage_notes(layout, coverage: dict | None, source: str = "the fitted prof
                          f"none with {name}={value!r}: this part of the prediction extrapolates "
                          "the fit (the data cannot judge it)")
     return notes
+
+
+def coverage_within(layout, coverage: dict | None, source: str = "the fitted profile",
+                    nodes: int | None = None) -> str | None:
+    """A sentence saying that ``layout`` (on ``nodes`` nodes) lies inside what the fit's runs
+    covered, so its prediction interpolates measured runs; None where it leaves them
+    (`coverage_notes` says where) or without a fit."""
+    if not coverage or coverage_notes(layout, coverage, source, nodes):
+        return None
+    values = ", ".join(f"{n}={getattr(layout, n)!r}" for n in COVERAGE_FIELDS
+                       if n in coverage and not (n == "schedule" and layout.pp == 1))
+    seen_nodes = coverage.get("nodes")
+    span = f" on {min(seen_nodes)}-{max(seen_nodes)} nodes" if seen_nodes else ""
+    return (f"{source} was fitted on measured runs with {values}{span}: this prediction "
+            "interpolates them")

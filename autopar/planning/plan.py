@@ -7,6 +7,7 @@ and memory with their breakdowns, and, when the solver chose it, the alternative
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from autopar.strategies.tp_recipe import COL, ROW, VOCAB
 from cost import Cluster, Layout
 from cost.layout import unsupported_decisions
 from cost.plan_types import Fallback, PlanDecisions
-from cost.profile import coverage_notes
+from cost.profile import coverage_notes, coverage_within
 from cost.step import Prediction, StepFacts, predict
 
 PLAN_VERSION = 2  # 2: the decisions (cost.plan_types) travel whole
@@ -111,9 +112,13 @@ class Plan:
                 f"  solver   {self.solve.get('method', '?')}: {self.solve.get('evaluated', 0)} layouts "
                 f"evaluated in {self.solve.get('time_s', 0):.2f} s"
             )
-        for note in coverage_notes(lay, self.cluster.fit_coverage,
-                                   f"the {self.cluster.name} cost profile"):
+        judged = self._as_run()
+        source, coverage = f"the {self.cluster.name} cost profile", self.cluster.fit_coverage
+        for note in coverage_notes(judged, coverage, source, self.cluster.nodes):
             lines.append(f"  note     {note}")
+        within = coverage_within(judged, coverage, source, self.cluster.nodes)
+        if within:
+            lines.append(f"  note     {within}")
         missing = unsupported_decisions(lay)
         lines.append("  runs     " + ("with autopar.parallelize" if not missing else
                                      "not yet with autopar.parallelize: " + "; ".join(missing)
@@ -154,6 +159,15 @@ class Plan:
         lines.append("fallbacks: " + ("; ".join(f"{f.op} ({f.reason})" for f in self.fallbacks)
                                       if self.fallbacks else "none"))
         return "\n".join(lines)
+
+    def _as_run(self) -> Layout:
+        """The layout as it runs: "auto" recompute that resolved to none is none (what a fit's
+        coverage is compared with)."""
+        choice, lay = self.decisions.recompute_choice, self.layout
+        if lay.recompute != "none" and choice.mode == "none" and not choice.outputs \
+                and not self.decisions.recompute_per_stage:
+            return dataclasses.replace(lay, recompute="none")
+        return lay
 
     def _recompute_words(self) -> str:
         """The layout's recompute and, for "auto" or named groups, what it resolved to."""

@@ -76,6 +76,18 @@ def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monke
 
 # The checks run before any model is built or captured; in-process they take milliseconds.
 FAST_S = 2.0
+def test_a_plan_says_whether_the_fitted_profile_measured_layouts_like_it(capsys):
+    argv = ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K",
+            "--cluster", "h100-efa", "--nodes", "2", "--quiet", "--layout"]
+    assert main([*argv, "dp=16,zero=1,microbatch=1,grad_accum=1"]) == 0
+    text = capsys.readouterr().out
+    assert "fitted on measured runs with zero=1, recompute='none'" in text
+    assert "interpolates them" in text and "extrapolates" not in text
+    assert main([*argv, "dp=16,zero=3,microbatch=1,grad_accum=1"]) == 0
+    text = capsys.readouterr().out
+    assert "none with zero=3" in text and "interpolates" not in text
+
+
 GPT2_8 = ["plan", "--model", "gpt2", "--quiet"]  # one node of 8 H100s, the default cluster
 
 

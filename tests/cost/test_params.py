@@ -10,7 +10,7 @@ from cost.cluster import H100_EFA_FIT, Cluster
 from cost.comm import Group, bus_bandwidth, collective_time
 from cost.layout import Layout
 from cost.params import PARAMETERS, CostParams
-from cost.profile import CostProfile, coverage_notes, load_profile, save_profile
+from cost.profile import CostProfile, coverage_notes, coverage_within, load_profile, save_profile
 from cost.step import predict
 from cost.terms.compute import host_bound
 
@@ -58,6 +58,21 @@ def test_coverage_notes_name_what_the_data_cannot_judge():
     assert len(notes) == 2 and "zero=3" in notes[0] and "recompute='full'" in notes[1]
     assert coverage_notes(Layout(dp=8, zero=1), cov) == []
     assert coverage_notes(Layout(dp=8, zero=3), None) == []
+    # beyond the node counts the runs had
+    cov["nodes"] = [1, 2, 64]
+    assert coverage_notes(Layout(dp=8, zero=1), cov, nodes=128)[0].startswith(
+        "the fitted profile was fitted on runs of 1-64 nodes, none on 128")
+    assert coverage_notes(Layout(dp=8, zero=1), cov, nodes=8) == []
+
+
+def test_a_layout_inside_the_fit_says_its_prediction_interpolates_measured_runs():
+    cov = {"zero": [0, 1], "recompute": ["none"], "schedule": ["1f1b"], "nodes": [1, 64]}
+    within = coverage_within(Layout(dp=8, zero=1), cov, "the h100-efa cost profile", nodes=8)
+    assert within == ("the h100-efa cost profile was fitted on measured runs with zero=1, "
+                      "recompute='none' on 1-64 nodes: this prediction interpolates them")
+    assert coverage_within(Layout(dp=8, zero=3), cov) is None
+    assert coverage_within(Layout(dp=8, zero=1), cov, nodes=128) is None
+    assert coverage_within(Layout(dp=8, zero=1), None) is None
 
 
 def test_collective_params_move_step_collectives_not_nccl_tests():
