@@ -122,7 +122,8 @@ def coverage_within(layout, coverage: dict | None, source: str = "the fitted pro
         return None
     values = ", ".join(f"{n}={getattr(layout, n)!r}" for n in COVERAGE_FIELDS
                        if n in coverage and not (n == "schedule" and layout.pp == 1))
-    seen_nodes = coverage.get("nodes")
+    seen_nodes, models = coverage.get("nodes"), coverage.get("models")
     span = f" on {min(seen_nodes)}-{max(seen_nodes)} nodes" if seen_nodes else ""
-    return (f"{source} was fitted on measured runs with {values}{span}: this prediction "
+    of = f" of {', '.join(models)}" if models else ""
+    return (f"{source} was fitted on measured runs{of} with {values}{span}: this prediction "
             "interpolates them")

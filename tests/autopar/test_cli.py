@@ -81,7 +81,8 @@ def test_a_plan_says_whether_the_fitted_profile_measured_layouts_like_it(capsys)
             "--cluster", "h100-efa", "--nodes", "2", "--quiet", "--layout"]
     assert main([*argv, "dp=16,zero=1,microbatch=1,grad_accum=1"]) == 0
     text = capsys.readouterr().out
-    assert "fitted on measured runs with zero=1, recompute='none'" in text
+    assert "fitted on measured runs of playbook-1b, playbook-8b with zero=1, recompute='none'" \
+        in text
     assert "interpolates them" in text and "extrapolates" not in text
     assert main([*argv, "dp=16,zero=3,microbatch=1,grad_accum=1"]) == 0
     text = capsys.readouterr().out

@@ -66,10 +66,12 @@ def test_coverage_notes_name_what_the_data_cannot_judge():
 
 
 def test_a_layout_inside_the_fit_says_its_prediction_interpolates_measured_runs():
-    cov = {"zero": [0, 1], "recompute": ["none"], "schedule": ["1f1b"], "nodes": [1, 64]}
+    cov = {"zero": [0, 1], "recompute": ["none"], "schedule": ["1f1b"], "nodes": [1, 64],
+           "models": ["playbook-1b", "playbook-8b"]}
     within = coverage_within(Layout(dp=8, zero=1), cov, "the h100-efa cost profile", nodes=8)
-    assert within == ("the h100-efa cost profile was fitted on measured runs with zero=1, "
-                      "recompute='none' on 1-64 nodes: this prediction interpolates them")
+    assert within == ("the h100-efa cost profile was fitted on measured runs of playbook-1b, "
+                      "playbook-8b with zero=1, recompute='none' on 1-64 nodes: this prediction "
+                      "interpolates them")
     assert coverage_within(Layout(dp=8, zero=3), cov) is None
     assert coverage_within(Layout(dp=8, zero=1), cov, nodes=128) is None
     assert coverage_within(Layout(dp=8, zero=1), None) is None
