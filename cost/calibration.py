@@ -79,6 +79,14 @@ class Calibration:
         stage weights (``pipeline.wait_per_compute``; 0 in older files)."""
         return float(self.extra.get("pipeline", {}).get("wait_per_compute", 0.0))
 
+    @property
+    def overlap_slowdown(self) -> float | None:
+        """Step seconds a collective issued beside compute adds per second it takes alone,
+        measured on the calibration's loaded ranks (``overlap.slowdown``; None in files written
+        before it was measured: the cost model's default then)."""
+        value = self.extra.get("overlap", {}).get("slowdown")
+        return None if value is None else float(value)
+
     def to_dict(self) -> dict:
         """JSON-safe dict in the file format."""
         out = {

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .calibration import (
     COLLECTIVES,
+    Calibration,
     CollectiveFit,
     default_calibration_path,
     load_calibration,
@@ -409,7 +410,7 @@ class Cluster:
             intra_efficiency=efficiency,
             base_latency=0.0,
             collective_fits=fits,
-            params=CostParams().replace(p2p_overhead_s=cal.pipeline_overhead_s),
+            params=_local_params(cal),
             host_share=host,
             source=f"this machine, {where}",
         )._renamed("local")
@@ -563,3 +564,11 @@ def rank_share(threads: int, cores: int, ranks: float, threads_per_rank: int) ->
     """
     cores_per_rank = min(float(threads_per_rank), cores / ranks)
     return cores_per_rank / min(threads, cores), max(1.0, ranks * threads_per_rank / cores)
+
+
+def _local_params(cal: Calibration) -> CostParams:
+    """The local cluster's `CostParams`: the defaults, with what the calibration measured (a
+    pipeline transfer's overhead; what a collective beside compute costs it, where measured)."""
+    params = CostParams().replace(p2p_overhead_s=cal.pipeline_overhead_s)
+    slowdown = cal.overlap_slowdown
+    return params if slowdown is None else params.replace(overlap_slowdown=slowdown)

@@ -1,5 +1,6 @@
 """Measure this machine for the cost model: matmul FLOP/s, memory bandwidth, per-op floor,
-collective latency / bus bandwidth over local gloo ranks, and a pipeline transfer's overhead.
+collective latency / bus bandwidth over local gloo ranks, a pipeline transfer's overhead, and
+what a collective overlapped with compute costs that compute.
 
 ``calibrate()`` writes one JSON file (``$AUTOPAR_CALIBRATION`` or
 ``~/.cache/autopar/calibration.json``) that ``cost.Cluster.local()`` reads. Its top-level format
@@ -12,6 +13,8 @@ is a contract with that reader and must not change shape::
                      for kind in all_reduce, all_gather, reduce_scatter, all_to_all, send_recv},
      "pipeline": {"overhead_s": s,    # per stage-to-stage transfer beyond send/recv (optional),
                   "wait_per_compute": s/s},  # and per second of the stages' compute between hand-offs
+     "overlap": {"slowdown": s/s},  # step seconds an all-reduce issued beside compute adds, per
+                                    # second it takes alone (optional)
      "raw": {... every individual measurement ...}}
 
 Collective times follow the nccl-tests conventions so the numbers are comparable with the
@@ -395,6 +398,73 @@ def _measure_pipeline(n: int, quick: bool, send_recv: dict[str, float],
             {"points": points, "microbatches": microbatches, "repeats": repeats})
 
 
+# --- a collective beside compute (run on spawned gloo ranks) ----------------------------------
+
+_OVERLAP_BYTES = 16 * _MB  # a DDP bucket's worth of gradients (25 MiB) in round numbers
+
+
+def _overlap_worker(rank: int, world_size: int, warmup: int, repeats: int
+                    ) -> list[tuple[float, float, float]]:
+    """(compute alone, all-reduce alone, both) seconds per repeat, every rank at once: a loop of
+    matmuls about four times as long as the all-reduce, a 16 MiB all-reduce, and the all-reduce
+    issued asynchronously before the same loop (as DDP issues a bucket during the backward)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(rank)
+    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+    buf = torch.ones(_OVERLAP_BYTES // 4)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    reduce_alone = statistics.median(timed(lambda: dist.all_reduce(buf)) for _ in range(3))
+    one = statistics.median(timed(lambda: a @ w) for _ in range(5))
+    # rank 0's count for everyone: the ranks must run the same loop
+    count = torch.tensor([max(2, math.ceil(4 * reduce_alone / max(one, 1e-6)))])
+    dist.broadcast(count, 0)
+    iters = int(count.item())
+
+    def compute() -> None:
+        for _ in range(iters):
+            a @ w
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    out = []
+    for i in range(warmup + repeats):
+        point = (timed(compute), timed(lambda: dist.all_reduce(buf)), timed(both))
+        if i >= warmup:
+            out.append(point)
+    dist.barrier()
+    return out
+
+
+def _measure_overlap(n: int, quick: bool, say: Callable[[str], None]) -> tuple[dict[str, float], dict]:
+    """({"slowdown": s}, raw): the step seconds a collective issued beside compute adds, per
+    second it takes alone, on ``n`` loaded ranks ((both - compute) / all-reduce, medians of the
+    slowest rank, within [0, 1]): `cost.params.CostParams.overlap_slowdown` of the local
+    cluster. On a host whose ranks share its cores the collective's copies and reductions run on
+    the same cores as the compute: hiding it behind compute saves little (a GPU's copy engines
+    and spare SMs make it 0.19 there)."""
+    warmup, repeats = (1, 3) if quick else (2, 7)
+    per_rank = spawn(_overlap_worker, n, args=(warmup, repeats), timeout_s=60.0 if quick else 180.0)
+    compute, reduce, both = (max(statistics.median(p[k] for p in rank) for rank in per_rank)
+                             for k in range(3))
+    slowdown = min(1.0, max(0.0, (both - compute) / max(reduce, 1e-9)))
+    say(f"overlap x{n}: a {_OVERLAP_BYTES // _MB} MiB all-reduce ({reduce * 1e3:.1f} ms alone) "
+        f"beside {compute * 1e3:.1f} ms of compute adds {(both - compute) * 1e3:.1f} ms: "
+        f"slowdown {slowdown:.2f} s per s hidden")
+    return ({"slowdown": slowdown},
+            {"compute_s": compute, "all_reduce_s": reduce, "both_s": both, "repeats": repeats,
+             "per_rank": per_rank})
+
+
 # --- entry points ---------------------------------------------------------------------------
 
 
@@ -435,6 +505,7 @@ def calibrate(
     floor, floor_raw = _measure_kernel_floor(quick, say)
     collectives, coll_raw = _measure_collectives(n, quick, say)
     pipe_overhead, pipe_raw = _measure_pipeline(n, quick, collectives["send_recv"], say)
+    overlap, overlap_raw = _measure_overlap(n, quick, say)
 
     data: dict[str, Any] = {
         "version": CALIBRATION_VERSION,
@@ -447,6 +518,7 @@ def calibrate(
         "kernel_floor_s": floor,
         "collectives": collectives,
         "pipeline": pipe_overhead,
+        "overlap": overlap,
         "raw": {
             "quick": quick,
             "threads": {
@@ -460,6 +532,7 @@ def calibrate(
             "kernel_floor": floor_raw,
             "collectives": coll_raw,
             "pipeline": pipe_raw,
+            "overlap": overlap_raw,
             "wall_s": time.perf_counter() - start,
         },
     }
@@ -522,4 +595,7 @@ def format_calibration(data: dict[str, Any]) -> str:
         lines.append(f"  {'pipeline transfer':<22}{_seconds(pipe['overhead_s']):>14}"
                      f"  beyond send/recv, + {pipe.get('wait_per_compute', 0.0):.3f} s per s of "
                      "stage compute (waits for descheduled peers)")
+    if "overlap" in data:
+        lines.append(f"  {'overlap slowdown':<22}{data['overlap']['slowdown']:>12.2f}  s of step per s of "
+                     "all-reduce issued beside compute (0: free, 1: not hidden at all)")
     return "\n".join(lines)

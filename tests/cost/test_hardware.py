@@ -10,6 +10,7 @@ import pytest
 from cost.calibration import Calibration, load_calibration, save_calibration
 from cost.cluster import PROFILES, Cluster, Link
 from cost.hardware import GPUS, get_gpu
+from cost.params import CostParams
 
 
 def test_datasheet_peaks():
@@ -113,6 +114,14 @@ def test_local_from_calibration(tmp_path, monkeypatch):
     assert c.intra.bandwidth == 1e9
     assert c.intra_efficiency["all_gather"] == pytest.approx(0.8)
     assert Cluster.from_dict(c.to_dict()) == c
+    # a file from before the overlap was measured keeps the default slowdown; a measured one
+    # is the local cluster's
+    assert c.params.overlap_slowdown == CostParams().overlap_slowdown
+    path = save_calibration({**data, "overlap": {"slowdown": 0.7},
+                             "pipeline": {"overhead_s": 2e-3}}, tmp_path / "cal2.json")
+    monkeypatch.setenv("AUTOPAR_CALIBRATION", str(path))
+    measured = Cluster.local()
+    assert measured.params.overlap_slowdown == 0.7 and measured.params.p2p_overhead_s == 2e-3
 
 
 def test_local_ranks_share_the_cores(tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ def test_quick_calibration_writes_complete_json(tmp_path: Path) -> None:
         "kernel_floor_s",
         "collectives",
         "pipeline",
+        "overlap",
         "raw",
     }
     assert loaded["version"] == 1
@@ -68,9 +69,15 @@ def test_quick_calibration_writes_complete_json(tmp_path: Path) -> None:
         assert point["transfer_s"] >= point["send_recv_s"] or point["overhead_s"] == 0
         assert 0 < point["busy_s"] < point["step_s"]
     assert any(line.startswith("pipeline x2") for line in lines)
+    # an all-reduce issued beside a matmul loop four times its length: what it adds, per second
+    # it takes alone, is a fraction; the loop ran longer than the all-reduce alone
+    assert 0.0 <= loaded["overlap"]["slowdown"] <= 1.0
+    assert raw["overlap"]["compute_s"] > raw["overlap"]["all_reduce_s"] > 0
+    assert raw["overlap"]["both_s"] > 0 and any(line.startswith("overlap x2") for line in lines)
 
     table = cal.format_calibration(loaded)
-    for word in ("matmul fp32", "memory bandwidth", "kernel floor", "pipeline transfer", *cal.COLLECTIVES):
+    for word in ("matmul fp32", "memory bandwidth", "kernel floor", "pipeline transfer",
+                 "overlap slowdown", *cal.COLLECTIVES):
         assert word in table
 
 
