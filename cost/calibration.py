@@ -127,6 +127,12 @@ class Calibration:
             raise ValueError(
                 f"calibration world_size={world_size!r} must be an integer >= 1; {fix}"
             )
+        overlap = data.get("overlap")
+        if overlap is not None:
+            value = overlap.get("slowdown") if isinstance(overlap, dict) else None
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"calibration overlap {overlap!r} must be "
+                                 f"{{\"slowdown\": a number in [0, 1]}}; {fix}")
         flops = {str(k): float(v) for k, v in data["matmul_flops"].items()}
         if not flops or any(v <= 0 for v in flops.values()):
             raise ValueError(f"calibration matmul_flops {flops} must hold positive rates; {fix}")

@@ -86,7 +86,7 @@ def save_profile(profile: CostProfile, path: str | os.PathLike) -> Path:
 
 
 # the layout fields whose values a fit can only judge where its runs had them
-COVERAGE_FIELDS = ("zero", "recompute", "cp", "ep", "precision", "schedule")
+COVERAGE_FIELDS = ("zero", "recompute", "cp", "ep", "precision", "fp8", "schedule")
 
 
 def coverage_notes(layout, coverage: dict | None, source: str = "the fitted profile",
@@ -114,16 +114,19 @@ def coverage_notes(layout, coverage: dict | None, source: str = "the fitted prof
 
 
 def coverage_within(layout, coverage: dict | None, source: str = "the fitted profile",
-                    nodes: int | None = None) -> str | None:
+                    nodes: int | None = None, model: str | None = None) -> str | None:
     """A sentence saying that ``layout`` (on ``nodes`` nodes) lies inside what the fit's runs
-    covered, so its prediction interpolates measured runs; None where it leaves them
-    (`coverage_notes` says where) or without a fit."""
-    if not coverage or coverage_notes(layout, coverage, source, nodes):
+    covered, and whether ``model`` was among their models; None where the layout leaves them
+    (`coverage_notes` says where), where the coverage does not record every field (a profile
+    fitted before a field was recorded cannot say), or without a fit."""
+    if not coverage or coverage_notes(layout, coverage, source, nodes) \
+            or any(n not in coverage for n in COVERAGE_FIELDS):
         return None
     values = ", ".join(f"{n}={getattr(layout, n)!r}" for n in COVERAGE_FIELDS
-                       if n in coverage and not (n == "schedule" and layout.pp == 1))
-    seen_nodes, models = coverage.get("nodes"), coverage.get("models")
+                       if not (n == "schedule" and layout.pp == 1))
+    seen_nodes, models = coverage.get("nodes"), coverage.get("models") or []
     span = f" on {min(seen_nodes)}-{max(seen_nodes)} nodes" if seen_nodes else ""
     of = f" of {', '.join(models)}" if models else ""
-    return (f"{source} was fitted on measured runs{of} with {values}{span}: this prediction "
-            "interpolates them")
+    known = model is None or model in models
+    return (f"{source} was fitted on measured runs{of} with {values}{span}: this layout lies "
+            "inside them" + ("" if known else f"; {model} was not among their models"))

@@ -262,9 +262,14 @@ def predict(
     pipe_total += loss_broadcast(cluster, lay)
     params_stage = params_per_stage(facts, cluster, lay)
     worst_params = float(params_stage.max())
+    # the blocks' weights are gathered several to a buffer and copied out; a model without
+    # numbered blocks is gathered in pieces of several weights: all of it
+    copied = worst_params if facts.n_layers == 0 else \
+        min(worst_params, block_params(facts, lay, n_layers) * -(-n_layers // lay.pp))
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),
                                    float(bwd[slowest]), float(recomp[slowest]),
-                                   float(tp_hidden_fwd[slowest]), float(tp_hidden_bwd[slowest]))
+                                   float(tp_hidden_fwd[slowest]), float(tp_hidden_bwd[slowest]),
+                                   copied)
     syncs = dp_step_syncs(cluster, lay, facts.counts_tokens)  # the token count, the loss
     dp_exposed, dp_total = dp_exposed + syncs, dp_total + syncs
     optimizer_s = optimizer_time(cluster, lay, worst_params)

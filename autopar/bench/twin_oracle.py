@@ -3,13 +3,16 @@
 nanotron's ZeRO-1 reduce-scatters the gradients and all-gathers the updated weights where
 ZeRO-0 all-reduces them: the same bytes over the same links. Two runs identical but for
 ZeRO-0 against ZeRO-1 ("twins") therefore measure one layout twice, and where they differ by
-2-15x (31 % of the playbook's pairs differ by more than 25 %, 22 % by more than 2x) the
-difference is the cluster's (stalls, stragglers, contention), not the layout's.
+up to 41x (31 % of the playbook's pairs differ by more than 25 %, 22 % by more than 2x) the
+difference is the cluster's (stalls, stragglers, contention), not the layout's. (On the
+playbook's runs 37 of 166 twin groups differ by more than 2x, 7 by more than 15x, one by 41x.
+A group also holds repeated runs of one layout.)
 
 The oracle knows every run's measured throughput and whether it trained, but prices a layout
 as the geometric mean of its twins' measurements (a run without a trained twin: its own), as a
-cost model that prices equal traffic equally at best can. Its scores are a ceiling for such a
-model: a target the oracle misses asks the model to foresee the cluster's noise. Where its
+cost model that prices equal traffic equally at best can. Its scores are about a ceiling for
+such a model (ZeRO-1 shards the optimizer step, so a model may price twins a little apart): a
+target the oracle misses asks the model to foresee the cluster's noise. Where its
 first choice is a pair of twins, the pick is a coin flip: its regret is the twins' mean.
 """
 
@@ -49,6 +52,8 @@ def expected_regret(runs: Sequence[Run], tps: np.ndarray) -> float:
     measured (the oracle's regret when a coin picks among twins)."""
     measured = np.array([r.tok_s_gpu or 0.0 for r in runs])
     trained = measured > 0
+    if not trained.any():
+        return 0.0  # nothing trained: no pick can (as `cell_scores` scores it)
     top = tps[trained].max()
     tied = trained & np.isclose(tps, top, rtol=1e-9)
     return float(measured[tied].mean() / measured.max())

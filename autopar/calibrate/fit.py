@@ -9,8 +9,9 @@ differences with a fixed step, no random start):
   a planner (`relevance_weights`: its throughput over its cell's best), with a soft-L1 loss so
   that the runs the model cannot explain (stalls, crashes that still logged a throughput,
   stragglers) pull less on the rest; plus, for a parameter with a published measurement
-  (`cost.params.ParamSpec.prior`: the slowdown overlapped communication costs compute), a
-  weak pull toward it (`prior_residuals`), which decides it only where the runs do not;
+  (`cost.params.ParamSpec.prior`: the slowdown overlapped communication costs compute, the
+  GEMM size curve), a weak pull toward it (`prior_residuals`), which decides it only where
+  the runs do not;
 - memory: for every run with a measured peak, log(predicted / measured) (the prediction less
   the reserve, which no allocator counts), plus the outcome:
   a run that trained but is predicted not to fit costs log(predicted / capacity), a run that
@@ -37,22 +38,26 @@ from cost.profile import COVERAGE_FIELDS, CostProfile, save_profile
 
 FAILED_WEIGHT = 0.3  # a failed run predicted to fit: weaker evidence than a measured peak
 # a parameter with a published measurement (`cost.params.ParamSpec.prior`) adds the residual
-# PRIOR_WEIGHT * (value - prior): 0.1 away from it costs what one run predicted 10 % off does,
-# so a thousand runs override it wherever they constrain the parameter at all
+# PRIOR_WEIGHT * (value - prior) (log(value / prior) for one fitted in log space): 0.1 away
+# from it costs what one run at its cell's best predicted 10 % off does, so a thousand runs
+# override it wherever they constrain the parameter at all
 PRIOR_WEIGHT = 1.0
 # soft-L1 loss: a residual beyond 0.1 (10 % in throughput) weighs linearly, not squared, so a
 # cell's pathological runs (1.3 s stalls per micro-batch) pull less on the rest. A Cauchy loss
-# with weights favouring each cell's fast runs was tried (session 5): the same regret and
-# Spearman, so the simpler loss stays
+# with weights favouring each cell's fast runs was tried in session 5 (the same regret and
+# Spearman then); the weights below came back in session 13, on a model whose compute terms
+# the stalls no longer hide
 TIME_LOSS = "soft_l1"
-# A planner's errors matter on the layouts it could choose: a run's time residual weighs
-# (its throughput / its cell's best)^RELEVANCE_POWER, so a run that measured a tenth of its
+# A planner's errors matter on the layouts it could choose: a run's time residual is multiplied
+# by (its throughput / its cell's best)^RELEVANCE_POWER, so a run that measured a tenth of its
 # cell's best (a stalled pipeline, mostly: the playbook's ZeRO-0/1 twins of such runs often ran
-# 2-15x faster) moves the parameters a tenth as much as the best does. On the playbook's runs
+# 2-41x faster) pulls 0.32 as hard as the best (its residual is in soft-L1's linear part),
+# and its loss turns linear only beyond 0.1 / 0.32 in log throughput. On the playbook's runs
 # (in-sample all-cell fits, session 13): unweighted (power 0) regret median 0.970, Spearman
 # 0.83, best run's error 15.1 %, llama3-8b on 8 nodes at MFU 48.6 % (above every measured 8B
 # run); 0.25: 0.999, 0.854, 13.9 %; 0.5: 0.999, 0.859, 10.7 %, MFU 40.8 %; 1: 0.999, 0.81,
-# 7.8 %, 41.3 %; 2: 0.997, 0.71, 4.4 %, the pipelines' stalls fitted away (regret worst 0.06).
+# 7.8 %, 41.3 %; 2 (without the gemm prior): 0.997, 0.71, 4.4 %, the pipelines' stalls
+# fitted away (regret worst 0.06).
 # 0.5 is the largest power that keeps the ranking of the slow runs (Spearman >= 0.85).
 RELEVANCE_POWER = 0.5
 # finite-difference step in the fitted (scaled) coordinates: large enough to see past the
@@ -106,7 +111,7 @@ def time_residuals(runs: Sequence[Run], priced: Priced) -> np.ndarray:
 def relevance_weights(runs: Sequence[Run]) -> np.ndarray:
     """(measured / best measured in the run's cell) ** ``RELEVANCE_POWER`` of each run that
     trained, in the order of `time_residuals` (a cell: the runs of one model on one cluster
-    size, `Run.cell`)."""
+    size, `Run.cell`; a cell's best weighs 1)."""
     best: dict[tuple, float] = {}
     for r in runs:
         if r.trained:

@@ -400,7 +400,7 @@ def _measure_pipeline(n: int, quick: bool, send_recv: dict[str, float],
 
 # --- a collective beside compute (run on spawned gloo ranks) ----------------------------------
 
-_OVERLAP_BYTES = 16 * _MB  # a DDP bucket's worth of gradients (25 MiB) in round numbers
+_OVERLAP_BYTES = 16 * _MB  # about a DDP bucket of gradients (25 MiB); the largest size timed above
 
 
 def _overlap_worker(rank: int, world_size: int, warmup: int, repeats: int
@@ -412,7 +412,7 @@ def _overlap_worker(rank: int, world_size: int, warmup: int, repeats: int
 
     torch.manual_seed(rank)
     a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
-    buf = torch.ones(_OVERLAP_BYTES // 4)
+    buf = torch.zeros(_OVERLAP_BYTES // 4)  # zeros: summed every repeat, they stay finite
 
     def timed(fn) -> float:
         dist.barrier()
@@ -447,8 +447,8 @@ def _overlap_worker(rank: int, world_size: int, warmup: int, repeats: int
 
 def _measure_overlap(n: int, quick: bool, say: Callable[[str], None]) -> tuple[dict[str, float], dict]:
     """({"slowdown": s}, raw): the step seconds a collective issued beside compute adds, per
-    second it takes alone, on ``n`` loaded ranks ((both - compute) / all-reduce, medians of the
-    slowest rank, within [0, 1]): `cost.params.CostParams.overlap_slowdown` of the local
+    second it takes alone, on ``n`` loaded ranks ((both - compute) / all-reduce, each the
+    slowest rank's median, within [0, 1]): `cost.params.CostParams.overlap_slowdown` of the local
     cluster. On a host whose ranks share its cores the collective's copies and reductions run on
     the same cores as the compute: hiding it behind compute saves little (a GPU's copy engines
     and spare SMs make it 0.19 there)."""

@@ -116,7 +116,7 @@ class Plan:
         source, coverage = f"the {self.cluster.name} cost profile", self.cluster.fit_coverage
         for note in coverage_notes(judged, coverage, source, self.cluster.nodes):
             lines.append(f"  note     {note}")
-        within = coverage_within(judged, coverage, source, self.cluster.nodes)
+        within = coverage_within(judged, coverage, source, self.cluster.nodes, self.model)
         if within:
             lines.append(f"  note     {within}")
         missing = unsupported_decisions(lay)
@@ -161,12 +161,13 @@ class Plan:
         return "\n".join(lines)
 
     def _as_run(self) -> Layout:
-        """The layout as it runs: "auto" recompute that resolved to none is none (what a fit's
-        coverage is compared with)."""
+        """The layout as it runs (what a fit's coverage is compared with): "auto" recompute
+        that resolved to one plain mode is that mode, FP8 that chose no matmul is "none"."""
         choice, lay = self.decisions.recompute_choice, self.layout
-        if lay.recompute != "none" and choice.mode == "none" and not choice.outputs \
-                and not self.decisions.recompute_per_stage:
-            return dataclasses.replace(lay, recompute="none")
+        if lay.recompute == "auto" and not choice.outputs and not self.decisions.recompute_per_stage:
+            lay = dataclasses.replace(lay, recompute=choice.mode)
+        if lay.fp8 != "none" and not self.decisions.fp8:
+            lay = dataclasses.replace(lay, fp8="none")
         return lay
 
     def _recompute_words(self) -> str:

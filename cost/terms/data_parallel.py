@@ -26,9 +26,21 @@ def bucketed(kind: str, nbytes: float, group, cluster: Cluster) -> float:
     return buckets * one - (buckets - 1) * overhead
 
 
+def gather_copy_s(cluster: Cluster, weight_bytes: float, ranks: int) -> float:
+    """Seconds of the copies around all-gathering ``weight_bytes`` of weights over ``ranks``
+    (passes/data_parallel.py `_gather_bucket`, as FSDP2 does too): each block's shards are
+    concatenated into the send buffer (1/ranks of the bytes read and written) and the gathered
+    rows copied out into each weight (all of them read and written), 2 (1 + 1/ranks) bytes
+    moved per weight byte at the device's memory bandwidth, on the compute stream: not hidden
+    by any overlap."""
+    gpu = cluster.gpu
+    return 2.0 * (1.0 + 1.0 / ranks) * weight_bytes / (gpu.memory_bw * gpu.memory_efficiency)
+
+
 def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: float,
             n_layers: int, fwd_s: float, bwd_s: float, recompute_s: float,
-            tp_hidden_fwd_s: float = 0.0, tp_hidden_bwd_s: float = 0.0) -> tuple[float, float]:
+            tp_hidden_fwd_s: float = 0.0, tp_hidden_bwd_s: float = 0.0,
+            copied_params: float | None = None) -> tuple[float, float]:
     """(exposed, total) seconds of the data-parallel communication of one step (0 without DP).
 
     The group is the dp ranks (dp*cp with CP: CP ranks hold the same weights). DP reduces the
@@ -38,6 +50,9 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     all-gather the updated weights once per step, block by block, after the optimizer
     (exposed). ZeRO-3 gathers every block's weights for the forward and the backward of every
     micro-batch (for the forward only with ``reshard`` False), prefetched one block ahead.
+    Every gather of a block's several weights also copies them in and out (`gather_copy_s`,
+    exposed): ``copied_params`` of the stage (all of ``stage_params`` when None; a lone weight
+    outside the blocks is gathered in place).
 
     One budget of compute hides everything, counted once: the reductions hide behind the
     slowest stage's backward (and recompute) that the TP collectives do not already occupy
@@ -57,6 +72,7 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     grad_bytes = stage_params * (4.0 if (rec.grad_accum_bytes or lay.precision == "fp32")
                                  else rec.grad_bytes)
     weight_bytes = stage_params * rec.param_bytes
+    copied_bytes = (stage_params if copied_params is None else copied_params) * rec.param_bytes
     # blocks gathered one at a time (ZeRO-1/2 once per step, ZeRO-3 for the forward and the
     # backward of every micro-batch), plus the weights outside the blocks
     blocks = -(-n_layers // pp) + 1
@@ -65,8 +81,8 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
         after = 0.0
     else:
         sync = bucketed(zero_reduction(cluster), grad_bytes, group, cluster)
-        after = blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster) \
-            if lay.zero < 3 else 0.0
+        after = (blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
+                 + gather_copy_s(cluster, copied_bytes, dp_group_size)) if lay.zero < 3 else 0.0
     params = cluster.params
     overlap = comm_overlap(cluster) * params.dp_overlap
     hidden_sync = min(sync, overlap * max(0.0, bwd_s + recompute_s - tp_hidden_bwd_s))
@@ -82,8 +98,9 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
         gather = gathers * blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
         left = fwd_s + bwd_s + recompute_s - tp_hidden_fwd_s - tp_hidden_bwd_s - hidden_sync
         hidden = min(gather, overlap * max(0.0, left))
-        exposed += m * (gather - hidden + params.overlap_slowdown * hidden)
-        total += m * gather
+        copies = gathers * gather_copy_s(cluster, copied_bytes, dp_group_size)
+        exposed += m * (gather - hidden + params.overlap_slowdown * hidden + copies)
+        total += m * (gather + copies)
     return exposed, total
 
 

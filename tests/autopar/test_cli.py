@@ -31,6 +31,21 @@ def test_plan_prints_the_plan_and_the_manual_comparison(tmp_path, capsys):
     assert json.loads(out.read_text())["layout"]["dp"] >= 1
 
 
+def test_a_plan_says_whether_the_fitted_profile_measured_layouts_like_it(capsys):
+    argv = ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K",
+            "--cluster", "h100-efa", "--nodes", "2", "--quiet", "--layout"]
+    # "auto" recompute that resolved to a plain mode is compared as that mode
+    assert main([*argv, "dp=16,zero=1,microbatch=1,grad_accum=1,recompute=auto"]) == 0
+    text = capsys.readouterr().out
+    assert "fitted on measured runs of playbook-1b, playbook-8b with zero=1, recompute='none'" \
+        in text
+    assert "this layout lies inside them; tiny-llama was not among their models" in text
+    assert "extrapolates" not in text
+    assert main([*argv, "dp=16,zero=3,microbatch=1,grad_accum=1"]) == 0
+    text = capsys.readouterr().out
+    assert "none with zero=3" in text and "lies inside" not in text
+
+
 def test_plan_of_a_manual_layout(capsys):
     argv = ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K", "--nodes", "1",
             "--gpus-per-node", "4", "--quiet", "--layout", "dp=2,tp=2,sp=1,zero=1,microbatch=4,grad_accum=2"]
@@ -76,19 +91,6 @@ def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monke
 
 # The checks run before any model is built or captured; in-process they take milliseconds.
 FAST_S = 2.0
-def test_a_plan_says_whether_the_fitted_profile_measured_layouts_like_it(capsys):
-    argv = ["plan", "--model", "tiny-llama", "--seq", "64", "--global-batch-tokens", "1K",
-            "--cluster", "h100-efa", "--nodes", "2", "--quiet", "--layout"]
-    assert main([*argv, "dp=16,zero=1,microbatch=1,grad_accum=1"]) == 0
-    text = capsys.readouterr().out
-    assert "fitted on measured runs of playbook-1b, playbook-8b with zero=1, recompute='none'" \
-        in text
-    assert "interpolates them" in text and "extrapolates" not in text
-    assert main([*argv, "dp=16,zero=3,microbatch=1,grad_accum=1"]) == 0
-    text = capsys.readouterr().out
-    assert "none with zero=3" in text and "interpolates" not in text
-
-
 GPT2_8 = ["plan", "--model", "gpt2", "--quiet"]  # one node of 8 H100s, the default cluster
 
 

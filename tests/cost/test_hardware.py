@@ -122,6 +122,9 @@ def test_local_from_calibration(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(path))
     measured = Cluster.local()
     assert measured.params.overlap_slowdown == 0.7 and measured.params.p2p_overhead_s == 2e-3
+    for bad in ({"slowdown": 1.5}, {"slowdown": None}, "fast"):
+        with pytest.raises(ValueError, match="overlap .* re-run `autopar calibrate`"):
+            Calibration.from_dict({**data, "overlap": bad})
 
 
 def test_local_ranks_share_the_cores(tmp_path, monkeypatch):

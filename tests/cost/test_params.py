@@ -65,16 +65,23 @@ def test_coverage_notes_name_what_the_data_cannot_judge():
     assert coverage_notes(Layout(dp=8, zero=1), cov, nodes=8) == []
 
 
-def test_a_layout_inside_the_fit_says_its_prediction_interpolates_measured_runs():
-    cov = {"zero": [0, 1], "recompute": ["none"], "schedule": ["1f1b"], "nodes": [1, 64],
+def test_a_layout_inside_the_fit_says_so_and_whether_its_model_was_measured():
+    cov = {"zero": [0, 1], "recompute": ["none"], "cp": [1], "ep": [1], "precision": ["bf16"],
+           "fp8": ["none"], "schedule": ["1f1b"], "nodes": [1, 64],
            "models": ["playbook-1b", "playbook-8b"]}
-    within = coverage_within(Layout(dp=8, zero=1), cov, "the h100-efa cost profile", nodes=8)
+    lay = Layout(dp=8, zero=1, precision="bf16")
+    within = coverage_within(lay, cov, "the h100-efa cost profile", nodes=8, model="playbook-8b")
     assert within == ("the h100-efa cost profile was fitted on measured runs of playbook-1b, "
-                      "playbook-8b with zero=1, recompute='none' on 1-64 nodes: this prediction "
-                      "interpolates them")
-    assert coverage_within(Layout(dp=8, zero=3), cov) is None
-    assert coverage_within(Layout(dp=8, zero=1), cov, nodes=128) is None
-    assert coverage_within(Layout(dp=8, zero=1), None) is None
+                      "playbook-8b with zero=1, recompute='none', cp=1, ep=1, precision='bf16', "
+                      "fp8='none' on 1-64 nodes: this layout lies inside them")
+    other = coverage_within(lay, cov, "the h100-efa cost profile", nodes=8, model="llama3-70b")
+    assert other.endswith("this layout lies inside them; llama3-70b was not among their models")
+    assert coverage_within(Layout(dp=8, zero=3, precision="bf16"), cov) is None
+    assert coverage_within(Layout(dp=8, zero=1, precision="bf16", fp8="all"), cov) is None
+    assert coverage_within(lay, cov, nodes=128) is None
+    assert coverage_within(lay, None) is None
+    # a profile whose coverage lacks a field (fitted before it was recorded) cannot say
+    assert coverage_within(lay, {k: v for k, v in cov.items() if k != "fp8"}) is None
 
 
 def test_collective_params_move_step_collectives_not_nccl_tests():

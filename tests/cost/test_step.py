@@ -203,3 +203,27 @@ def test_zero3_keeping_the_gathered_weights_trades_a_gather_for_memory(llama_ste
     assert Layout(**common, reshard=False).short().startswith("dp8 zero3 no-reshard")
     assert Layout(dp=8, zero=1, reshard=False).reshard  # only ZeRO-3 drops gathered weights
     assert Layout.from_dict(Layout(**common, reshard=False).to_dict()).reshard is False
+
+
+def test_zero_gathers_pay_the_copies_around_them():
+    from cost.precision import recipe
+    from cost.terms.data_parallel import dp_comm, gather_copy_s
+
+    cluster = Cluster("h100", nodes=1)
+    gpu = cluster.gpu
+    # the shards concatenated (1/8 of the bytes) and the gathered rows copied out (all of them),
+    # each read and written, at the memory bandwidth
+    assert gather_copy_s(cluster, 1e9, 8) == pytest.approx(
+        2 * (1 + 1 / 8) * 1e9 / (gpu.memory_bw * gpu.memory_efficiency))
+    rec = recipe("bf16")
+    for lay, copies in ((Layout(dp=8, zero=3, microbatch=1, grad_accum=4), 4 * 2),  # fwd + bwd
+                        (Layout(dp=8, zero=1, microbatch=1, grad_accum=4), 1)):  # once per step
+        args = (cluster, lay, rec, 1e9, 32, 0.1, 0.2, 0.0)
+        exposed, total = dp_comm(*args)
+        none_copied = dp_comm(*args, copied_params=0.0)
+        half = dp_comm(*args, copied_params=5e8)
+        one = gather_copy_s(cluster, 1e9 * rec.param_bytes, 8)
+        # the copies are exposed (no overlap hides them) and scale with the weights copied
+        assert exposed - none_copied[0] == pytest.approx(copies * one)
+        assert total - none_copied[1] == pytest.approx(copies * one)
+        assert exposed - half[0] == pytest.approx(copies * one / 2)

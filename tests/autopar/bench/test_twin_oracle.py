@@ -33,3 +33,10 @@ def test_a_failed_twin_does_not_lower_the_one_that_trained():
     # without twins the oracle is the measurement itself
     solo = [_run(0, 30.0), _run(1, 90.0, tp=2)]
     assert np.array_equal(twin_oracle(solo)[0], [30.0, 90.0])
+
+
+def test_a_cell_where_nothing_trained_scores_no_pick():
+    runs = [_run(0, None, zero=0), _run(1, None, zero=1)]
+    tps, fits = twin_oracle(runs)
+    assert tps.tolist() == [0.0, 0.0] and not fits.any()
+    assert expected_regret(runs, tps) == 0.0

@@ -8,11 +8,13 @@ import pytest
 
 from autopar.calibrate.fit import (
     PRIOR_WEIGHT,
+    RELEVANCE_POWER,
     fit_params,
     fit_profile,
     format_fit,
     memory_residuals,
     prior_residuals,
+    relevance_weights,
     time_residuals,
 )
 from autopar.calibrate.runs import Run, RunPricer
@@ -119,3 +121,12 @@ def test_fit_profile_writes_a_profile_the_cluster_loads(tmp_path, synthetic):
     text = format_fit(profile)
     assert "framework_efficiency" in text and "bounds" in text
     assert not math.isnan(doc["fit"]["in_sample_log_throughput_rms"])
+
+
+def test_relevance_weights_follow_the_residuals_run_for_run():
+    lay = Layout(dp=8, microbatch=1, grad_accum=8, precision="bf16")
+    runs = [Run(0, "tiny-llama", 1, lay, 64, 400.0, None), Run(1, "tiny-llama", 1, lay, 64, None, None),
+            Run(2, "tiny-llama", 1, lay, 64, 100.0, None), Run(3, "tiny-llama", 2, lay, 64, 7.0, None)]
+    # the failed run has no residual and no weight; each cell's best weighs 1 (a lone run too)
+    assert relevance_weights(runs).tolist() == pytest.approx(
+        [1.0, (100 / 400) ** RELEVANCE_POWER, 1.0])
