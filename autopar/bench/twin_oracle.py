@@ -2,11 +2,10 @@
 
 nanotron's ZeRO-1 reduce-scatters the gradients and all-gathers the updated weights where
 ZeRO-0 all-reduces them: the same bytes over the same links. Two runs identical but for
-ZeRO-0 against ZeRO-1 ("twins") therefore measure one layout twice, and where they differ by
-up to 41x (31 % of the playbook's pairs differ by more than 25 %, 22 % by more than 2x) the
-difference is the cluster's (stalls, stragglers, contention), not the layout's. (On the
-playbook's runs 37 of 166 twin groups differ by more than 2x, 7 by more than 15x, one by 41x.
-A group also holds repeated runs of one layout.)
+ZeRO-0 against ZeRO-1 ("twins"; a group also holds repeated runs of one layout) measure one
+layout twice, and where they differ (on the playbook's runs 31 % of the 166 groups by more
+than 25 %, 37 by more than 2x, 7 by more than 15x, one by 41x) the difference is the
+cluster's (stalls, stragglers, contention), not the layout's.
 
 The oracle knows every run's measured throughput and whether it trained, but prices a layout
 as the geometric mean of its twins' measurements (a run without a trained twin: its own), as a

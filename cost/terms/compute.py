@@ -18,11 +18,7 @@ from cost.precision import recipe
 from cost.stages import StageMemory, balanced_cuts
 from cost.step_facts import StepFacts
 from cost.terms.common import block_params, resolved
-from cost.terms.recompute import (
-    activation_memory,
-    fixed_choice,
-    local_saved_bytes,
-)
+from cost.terms.recompute import activation_memory, fixed_choice, local_saved_bytes
 
 # A training framework reaches less than the sum of its kernels' times: host overhead between
 # kernels, gradient clipping, data loading, stragglers. The default of
