@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "models": ("autopar.models", None),
     "TrainingGraph": ("autopar.capture.joint", "TrainingGraph"),
-    "ParallelModule": ("autopar.execution.parallelize", "ParallelModule"),
+    "ParallelModule": ("autopar.execution.module", "ParallelModule"),
     "parallelize": ("autopar.execution.parallelize", "parallelize"),
     "Plan": ("autopar.planning.plan", "Plan"),
     "plan": ("autopar.planning.planner", "plan"),

@@ -19,7 +19,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def contract(pm, label, allowed_fallbacks: Sequence[str] = ()) -> list[tuple]:
     """The DTensor placements of ``pm.parameters()`` are ``pm.plan.placements``, and no op fell
     back to replication except those whose name contains one of ``allowed_fallbacks``."""
-    from autopar.execution.parallelize import placement_of
+    from autopar.execution.placement import placement_of
 
     failures = []
     for name, p in pm.named_parameters():
@@ -96,7 +96,7 @@ def train_and_compare(pm, ref, batch, label, steps: int = 3,
 def tp_checks(pm, label) -> list[tuple]:
     """Weights sharded over TP (every expert weight of an MoE), and no gather of a fused
     projection's output to split it into its parts (or of its gradient's parts to join them)."""
-    from autopar.execution.parallelize import placement_of
+    from autopar.execution.placement import placement_of
 
     failures = []
     sharded = {n for n, q in pm.named_parameters() if any(placement_of(p).is_shard for p in q.placements[1:])}

@@ -46,13 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.analysis.graph import analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
 from autopar.capture.joint import capture
 from autopar.errors import AutoparError, InputError
+from autopar.execution.module import ParallelModule, _dp_rank
+from autopar.execution.placement import _to_dtensors
 from autopar.planning.plan import Plan
 from autopar.planning.plan import make_plan as make_layout_plan
 from autopar.planning.planner import model_precision
@@ -63,7 +63,6 @@ from cost import Cluster, Layout
 from cost.layout import unsupported_decisions
 from cost.plan_types import (
     AxisGroup,
-    AxisPlacement,
     Fallback,
     GraphSignature,
     PlanDecisions,
@@ -76,151 +75,14 @@ from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
 from passes.pipeline_split import PipelineSplitError, split_backward, split_pipeline
 from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
-from passes.tensor_parallel import apply_tensor_parallel, to_dtensor_placement
+from passes.tensor_parallel import apply_tensor_parallel
 from passes.token_count import token_counter, weight_loss_by_seed
-from runtime.executor import RankGraph, run_step
+from runtime.executor import RankGraph
 from runtime.pipeline import PipelinePlan
 
 
 class UnsupportedLayoutError(AutoparError):
     """The plan needs a parallelism the runtime does not execute yet."""
-
-
-class ParallelModule(nn.Module):
-    """The model, parallelised: call it like the original; its parameters are DTensors."""
-
-    def __init__(self, module: nn.Module, rank_graph: RankGraph, plan: Plan, mesh: DeviceMesh,
-                 input_shapes: list[tuple[int, ...]], canonical: list[str],
-                 local_batch: bool = False, unloaded: set[str] | None = None) -> None:
-        super().__init__()
-        # adopt the copy's children, weights and buffers: names stay those of the original
-        self._modules.update(module._modules)
-        self._parameters.update(module._parameters)
-        self._buffers.update(module._buffers)
-        self.plan = plan
-        self.mesh = mesh
-        self._rank_graph = rank_graph
-        self._input_shapes = input_shapes
-        self._canonical = canonical
-        self._local_batch = local_batch
-        self._unloaded = set(unloaded or ())  # shards of a meta model not yet filled
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """`nn.Module.load_state_dict`; for a model parallelised from the meta device this is
-        how its shards are filled (after ``torch.distributed.checkpoint.load(sd, ...)``)."""
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        self._unloaded -= set(state_dict)
-        return result
-
-    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
-        """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients.
-
-        With ``local_batch=True`` at `parallelize`, ``batch`` is this rank's data-parallel
-        slice (ranks of one TP group pass the same slice)."""
-        if self._unloaded:
-            raise InputError(
-                f"the model was parallelised from the meta device and {len(self._unloaded)} "
-                f"parameters (e.g. {sorted(self._unloaded)[0]!r}) hold no values yet.\n  fix: fill "
-                "the shards from a checkpoint first: sd = pm.state_dict(); "
-                "torch.distributed.checkpoint.load(sd, checkpoint_id=...); pm.load_state_dict(sd)")
-        shapes = [tuple(x.shape) for x in batch]
-        if shapes != self._input_shapes:
-            what = "this rank's slice of the example inputs" if self._local_batch else "the example inputs"
-            raise InputError(
-                f"batch shapes {shapes} differ from {what}, {self._input_shapes}, that the step "
-                "was planned for: call autopar.parallelize again with these shapes"
-            )
-        dp = self.plan.layout.dp
-        local = batch if self._local_batch else tuple(x.chunk(dp, dim=0)[_dp_rank(self.mesh)] for x in batch)
-        named = dict(self.named_parameters(remove_duplicate=False))
-        params = [(name, named[name]) for name in self._canonical]
-        buffers = dict(self.named_buffers())
-        return run_step(self._rank_graph, params, buffers, local)
-
-    def dump_graph(self, rank: int | None = None) -> str:
-        """This rank's graph as Python, each collective commented with the decision behind it."""
-        me = dist.get_rank() if dist.is_initialized() else 0
-        head = f"# per-rank graph of rank {me} (layout {self.plan.layout.short()})"
-        if rank is not None and rank != me:
-            head += f"; rank {rank} runs the same graph on its own shards"
-        if self._rank_graph.pipeline is not None:
-            if rank is not None and rank != me:
-                head += " if it runs the same pipeline stage (each stage runs its own graphs)"
-            return _dump_stage(head, self._rank_graph.pipeline, self.plan)
-        nodes = list(self._rank_graph.gm.graph.nodes)
-        reasons = {n.name: n.meta["autopar"] for n in nodes if "autopar" in n.meta}
-        lines = [head]
-        if self._rank_graph.accumulate_gm is not None:
-            lines.append(f"# the last of {self._rank_graph.micro_batches} micro-batches; the earlier ones run it "
-                         "without the gradient reduction, and their sums come in as 'accum' inputs")
-        lines.append("# inputs:")
-        placeholders = [n for n in nodes if n.op == "placeholder"]
-        for node, (kind, name) in zip(placeholders, self._rank_graph.inputs):
-            part = "one micro-batch of this rank's slice" if self._rank_graph.micro_batches > 1 else "this rank's slice"
-            label = {"input": f"batch input {name} ({part})",
-                     "tangent": "seed gradient of the loss (1 / grad_accum, or with labels ignored "
-                                "dp x this micro-batch's share of the step's valid tokens)"}
-            note = reasons.get(node.name, "")
-            lines.append(f"#   {node.name}: {label.get(kind, f'{kind} {name}')}" + (f" -- {note}" if note else ""))
-        for line in self._rank_graph.gm.code.splitlines():
-            name = line.strip().split(" = ")[0] if " = " in line else ""
-            if name in reasons and not line.strip().startswith("#"):
-                line = f"{line}  # {reasons[name]}"
-            lines.append(line)
-        return "\n".join(lines)
-
-
-def _dump_stage(head: str, pipeline: PipelinePlan, plan: Plan) -> str:
-    """The forward and backward graphs of this rank's pipeline stages, inputs and outputs named."""
-    n = pipeline.graphs.pp
-    lines = [head]
-    for s in pipeline.stages:
-        graphs = pipeline.graphs.stages[s]
-        first, last = plan.stages[s]
-        where = ("the embedding, " if s == 0 else "") + f"blocks {first}..{last}" + \
-            (", the head and the loss" if s == n - 1 else "")
-        lines.append(f"# pipeline stage {s} of {n} on pipeline rank {pipeline.rank} of {pipeline.pp} "
-                     f"({where}), schedule {pipeline.schedule}, {plan.layout.grad_accum} micro-batches; "
-                     f"parameters held: {len(graphs.params)}"
-                     + (f"; shared with other ranks: {sorted(pipeline.shared_groups)}"
-                        if pipeline.shared_groups else ""))
-        sends = f"{graphs.n_sends} values sent to stage {s + 1}, " if s < n - 1 else ""
-        lines += _stage_graph_lines(s, graphs.forward, graphs.forward_inputs, "forward",
-                                    sends + f"{graphs.n_saved} saved for the backward"
-                                    + (", the loss x its seed" if graphs.has_loss else ""))
-        grads = f"{graphs.n_grad_sends} gradient slots sent to stage {s - 1}, " if s > 0 else ""
-        split = graphs.weight_split
-        if split is None:
-            lines += _stage_graph_lines(s, graphs.backward, graphs.backward_inputs, "backward",
-                                        grads + f"gradients of {len(graphs.grads)} parameters")
-        else:  # zero-bubble: the weight half runs later, in the schedule's W action
-            lines += _stage_graph_lines(s, split.input_grad, split.input_grad_inputs,
-                                        "backward, input-gradient half",
-                                        grads + f"{split.n_stash} values kept for the weight half")
-            lines += _stage_graph_lines(s, split.weight_grad, split.weight_grad_inputs,
-                                        "backward, weight-gradient half (run later, in a bubble)",
-                                        f"gradients of {len(graphs.grads)} parameters")
-    return "\n".join(lines)
-
-
-def _stage_graph_lines(s: int, gm, inputs, title: str, outputs: str) -> list[str]:
-    """One of stage ``s``'s graphs as code, its inputs named and its collectives commented."""
-    what = {"recv": f"received from stage {s - 1}", "saved": "saved by this stage's forward",
-            "input": "batch input (this micro-batch)", "tangent": "seed gradient of the loss",
-            "stash": "kept from the input-gradient half"}
-    lines = [f"# {title}, once per micro-batch; inputs:"]
-    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, source in zip(holders, inputs):
-        kind = (f"gradient slot {source.index}, received from stage {s + 1}" if source.kind == "grad"
-                else what.get(source.kind, source.kind))
-        lines.append(f"#   {node.name}: {kind} {source.name}")
-    lines.append(f"# outputs: {outputs}")
-    reasons = {n.name: n.meta["autopar"] for n in gm.graph.nodes if "autopar" in n.meta}
-    for line in gm.code.splitlines():
-        if line.strip():
-            name = line.strip().split(" = ")[0] if " = " in line else ""
-            lines.append(f"{line}  # {reasons[name]}" if name in reasons else line)
-    return lines
 
 
 def parallelize(
@@ -507,11 +369,6 @@ def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> Devic
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def _dp_rank(mesh: DeviceMesh) -> int:
-    """This rank's coordinate on the data-parallel axis: which slice of the batch it runs."""
-    return mesh.get_local_rank("dp")
-
-
 _LOCAL_GRAPHS = StepCache(size=4)
 
 
@@ -623,75 +480,3 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster)
         return make_layout_plan(step, cluster, layout, model=name, fingerprint=model_fingerprint(model),
                                 facts=facts)
     return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, layout=layout)
-
-
-def placement_of(placement) -> AxisPlacement:
-    """A DTensor placement in the plan's vocabulary (for comparing what runs with the plan)."""
-    if isinstance(placement, _StridedShard):
-        return AxisPlacement.shard(placement.dim, placement.split_factor)
-    if isinstance(placement, Shard):
-        return AxisPlacement.shard(placement.dim)
-    if isinstance(placement, Replicate):
-        return AxisPlacement.replicate()
-    raise AutoparError(f"placement {placement!r} is not one autopar plans")
-
-
-def _local_shard(data: torch.Tensor, place: AxisPlacement, n: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``data`` under ``place`` over ``n`` ranks."""
-    if not place.is_shard:
-        return data
-    if place.split_factor == 1:
-        return data.chunk(n, dim=place.dim)[rank]
-    parts = data.chunk(place.split_factor, dim=place.dim)
-    return torch.cat([part.chunk(n, dim=place.dim)[rank] for part in parts], dim=place.dim)
-
-
-def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
-                 aliases: dict[str, str], held: set[str] | None = None) -> set[str]:
-    """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placements.
-
-    On the ("dp", "tp") mesh a weight is first split over TP, then (ZeRO) its TP shard's rows
-    over DP; when both split dim 0 that is DTensor's right-to-left `_StridedShard` order.
-    A parameter on the meta device gets only this rank's shard, allocated and left unset (NaN
-    where floating): returns those parameters' names, to be filled from a checkpoint.
-    ``held``: under a pipeline, the parameters of this rank's stage; the others are removed
-    from the module (their DTensors live on the (dp, tp) mesh of this rank's stage).
-    """
-    if held is not None:
-        mesh = mesh["dp", "tp"]
-    device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
-              else torch.device(mesh.device_type))
-    unloaded: set[str] = set()
-    layout = decisions.layout
-    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    made: dict[int, nn.Parameter] = {}
-    for mod_name, sub in module.named_modules(remove_duplicate=False):
-        for pname, p in list(sub._parameters.items()):
-            if p is None:
-                continue
-            full_name = f"{mod_name}.{pname}" if mod_name else pname
-            canonical = aliases.get(full_name, full_name)
-            if held is not None and canonical not in held:
-                sub._parameters[pname] = None  # another stage's
-                continue
-            decided = decisions.params[canonical]
-            if id(p) not in made:
-                data = p.detach()
-                tp_place = decided.placements.get("tp", AxisPlacement.replicate())
-                dp_place = decided.placements["dp"]
-                local = _local_shard(data, tp_place, layout.tp, tp_rank)
-                if dp_place.is_shard:  # ZeRO: the rows of the TP-local shard
-                    local = local.chunk(layout.dp, dim=0)[dp_rank]
-                placements = [to_dtensor_placement(dp_place), to_dtensor_placement(tp_place)]
-                if local.device.type == "meta":  # only this rank's shard is ever allocated
-                    local = torch.empty(local.shape, dtype=local.dtype, device=device)
-                    if local.is_floating_point():
-                        local.fill_(float("nan"))  # never silently trained on garbage
-                    unloaded.add(full_name)
-                else:
-                    local = local.contiguous().clone()
-                dt = DTensor.from_local(local, mesh, placements,
-                                        run_check=False, shape=data.shape, stride=data.stride())
-                made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            sub._parameters[pname] = made[id(p)]
-    return unloaded
