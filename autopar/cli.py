@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from autopar.bench import BENCHES
 from autopar.errors import AutoparError, InputError
 from autopar.models.configs import ModelConfig, UnknownModelError
 from cost.layout import (
@@ -312,43 +313,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "cost-model":
-        from autopar.bench.cost_model import format_cost_model_bench, run_cost_model_bench
-
-        result = run_cost_model_bench(quick=args.quick)
-        print(format_cost_model_bench(result))
-    elif args.what == "block-check":
-        from autopar.bench.block import block_check, format_block_check
-
-        result = block_check(args.measured) if args.measured else block_check()
-        print(format_block_check(result))
-    elif args.what == "runtime":
-        from autopar.bench.runtime import format_runtime_bench, run_runtime_bench
-
-        result = run_runtime_bench(quick=args.quick, calibration=args.calibration)
-        print(format_runtime_bench(result))
-    elif args.what == "playbook":
-        from autopar.bench.playbook import format_playbook_bench, run_playbook_bench
-
-        result = run_playbook_bench(args.runs, quick=args.quick)
-        print(format_playbook_bench(result))
-    elif args.what == "solver":
-        from autopar.bench.solver import format_solver_bench, run_solver_bench
-
-        result = run_solver_bench(quick=args.quick)
-        print(format_solver_bench(result))
-    elif args.what == "fp8":
-        from autopar.bench.fp8 import format_fp8_bench, run_fp8_bench
-
-        result = run_fp8_bench(quick=args.quick)
-        print(format_fp8_bench(result))
-    elif args.what == "recompute":
-        from autopar.bench.recompute import format_recompute_bench, run_recompute_bench
-
-        result = run_recompute_bench(quick=args.quick)
-        print(format_recompute_bench(result))
-    else:  # argparse restricts the choices
-        raise ValueError(args.what)
+    result, table = BENCHES[args.what](args)
+    print(table)
     _write_json(args.json or f"results/bench-{args.what}.json", result)
     return 0
 
@@ -526,8 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dump)
 
     p = add("bench", help="benchmarks: tables plus JSON in results/")
-    p.add_argument("what", choices=["cost-model", "block-check", "solver", "runtime", "playbook", "fp8",
-                                       "recompute"])
+    p.add_argument("what", choices=sorted(BENCHES))
     p.add_argument("--quick", action="store_true", help="fewer points")
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
     p.add_argument("--calibration", help="runtime: predict with this `autopar calibrate` file "
