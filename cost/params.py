@@ -120,7 +120,7 @@ class CostParams:
 PARAMETERS: tuple[ParamSpec, ...] = (
     ParamSpec("framework_efficiency", 0.4, 1.0, "fraction",
               "the playbook's DP=8 run of its 1.34B model over the kernel roofline, 40,150 / "
-              "47,124 tok/s/GPU (session 1)"),
+              "47,124 tok/s/GPU"),
     # within 2x of the H200 measurement (12 GEMMs, 5 % mean error; the H100 has the same SMs):
     # wider, the fit traded GEMM size against the host floor (0.1 and 2.45 from two starts)
     # the playbook's runs barely constrain it (the fit's cost moves 0.2 % between 0.5 and 2,

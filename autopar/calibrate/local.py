@@ -101,7 +101,7 @@ def _measure_matmul(quick: bool, say: Callable[[str], None]) -> tuple[dict[str, 
     """Median FLOP/s of square ``mm`` per dtype; the best size counts (the achievable peak).
 
     Each (dtype, size) gets a time budget: a dtype can be ~100x slower than fp32 on a CPU
-    without native kernels for it (bf16 ran at ~1 GFLOP/s on the 2-core dev VM), so repeats
+    without native kernels for it (bf16 ran at ~1 GFLOP/s on a 2-core host), so repeats
     shrink to fit, and a larger size is skipped when the smaller one predicts it would not fit.
     """
     sizes = (
@@ -481,7 +481,7 @@ def calibrate(
             ``quick``); must be >= 2.
         path: output file; default ``$AUTOPAR_CALIBRATION`` or
             ``~/.cache/autopar/calibration.json``. Parent directories are created.
-        quick: 2 ranks, fewer sizes and repeats (~5-10 s, not ~13-20 s, on the 2-core dev VM).
+        quick: 2 ranks, fewer sizes and repeats (~5-10 s, not ~13-20 s, on a 2-core host).
         progress: called with one short human-readable line per measurement; ``None`` = silent.
 
     Returns:

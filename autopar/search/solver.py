@@ -121,14 +121,12 @@ def candidate_layouts(
 
 # Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs). The
 # price lends a bubble's idle cores to the busy ranks (`shared_host_factor`) and charges each
-# transfer the overhead `autopar calibrate` measures on loaded ranks (~2 ms, plus ~0.07 s per
-# s of stage compute: the OS hand-offs between ranks that share cores), but the runtime's idle
-# is still under-predicted where pipelines run beside each other: `python -m autopar bench
-# runtime` (4 gloo ranks, 2-core dev box, 2026-12-02 09:07): PP4 1F1B ran 367 ms, predicted 364
-# (idle 169 vs 148); PP2 x DP2 356 / 295 (idle 111 vs 92: its DP all-reduce after the schedule
-# took 28 ms against 9 priced, waiting for the other pipeline). With pipelines searched the
-# solver picked dp2 pp2 zero1 zero-bubble mb4 ga2 (an earlier session), predicted 328 ms
-# against DP/ZeRO-1's 331: too close a call for a price that is this far off.
+# transfer the overhead `autopar calibrate` measures on loaded ranks (the OS hand-offs between
+# ranks that share cores), but the runtime's idle is still under-predicted where pipelines run
+# beside each other (`python -m autopar bench runtime`: a PP2 x DP2 pipeline idles ~1.2x its
+# price; its DP all-reduce after the schedule waits for the other pipeline). With pipelines
+# searched, the solver's pick (dp2 pp2 zero1 zero-bubble) was priced within 1 % of DP/ZeRO-1:
+# too close a call for a price that is this far off.
 
 
 def search(

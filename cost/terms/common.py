@@ -24,9 +24,9 @@ def comm_overlap(cluster: Cluster) -> float:
     gathers, and the TP collectives Megatron overlaps with matmuls).
 
     GPUs: 1 (NCCL runs on its own SMs and copy engines while kernels run; FSDP/DDP overlap).
-    CPU ranks: 0, measured: gloo's transport runs on the cores that compute, and on this 2-core
-    box 4 ranks already oversubscribe them; `bench runtime` (2026-11-30) measured ZeRO-3 1.27x
-    slower than DP where full overlap predicted it 3 % faster.
+    CPU ranks: 0, measured: gloo's transport runs on the cores that compute, and 4 ranks on a
+    2-core host already oversubscribe them; `bench runtime` measured ZeRO-3 1.27x slower than
+    DP there where full overlap predicted it 3 % faster.
     """
     return 0.0 if cluster.gpu.is_cpu else 1.0
 

@@ -30,9 +30,8 @@ FRAMEWORK_EFFICIENCY = 0.85
 # scale-and-cast reads it again and writes one byte per element (half a bf16 input's bytes):
 # 2.5 bytes moved per input byte, as fused kernels run it (torchao's compiled casts).
 FP8_CAST_BYTES_PER_INPUT_BYTE = 2.5
-# torch 2.13's CPU `_scaled_mm` (it runs the FP8 numerics on CPU ranks): measured on the 2-core
-# dev box, 2026-12-01, 0.03-0.05 GFLOP/s for 128x64x64 to 512x256x256 (fp32 matmul there:
-# 110-230 GFLOP/s). FP8 runs on CPU ranks when asked, and "auto" never picks it there.
+# torch 2.13's CPU `_scaled_mm` (it runs the FP8 numerics on CPU ranks): measured on a 2-core
+# host at 0.03-0.05 GFLOP/s for 128x64x64 to 512x256x256 (fp32 matmul there: 110-230 GFLOP/s). FP8 runs on CPU ranks when asked, and "auto" never picks it there.
 CPU_FP8_MATMUL_FLOPS = 5e7
 
 

@@ -9,8 +9,8 @@ from cost.layout import Layout
 # (AdamW, memory-bound: 4+4+4+4 read + 4+4+4+2 write = 30 bytes per parameter).
 ADAM_BYTES_PER_PARAM = 30.0
 # CPU ranks run torch.optim.AdamW(foreach=True): about ten elementwise passes, not one fused
-# kernel. Calibration run (2026-11-30, dev box): 4.2 M fp32 parameters stepped in 21.3 ms on one
-# thread, where `Cluster.local` gives a rank of 2 13.5 GB/s: 68 bytes per parameter.
+# kernel. Measured by a calibration on a 2-core host: 4.2 M fp32 parameters stepped in 21.3 ms on
+# one thread, where `Cluster.local` gives a rank of 2 13.5 GB/s: 68 bytes per parameter.
 CPU_ADAM_BYTES_PER_PARAM = 68.0
 
 

@@ -51,7 +51,7 @@ def shared_host_factor(cluster: Cluster, lay: Layout) -> float:
     to the busy ones, so a busy rank computes faster than with every rank busy. The busy
     fraction is 1 / (1 + bubble fraction). 1 on devices and without a pipeline.
 
-    Measured (2026-12-02, `bench runtime`, 4 gloo ranks on 2 cores, PP4 1F1B m=8): busy
+    Measured (`bench runtime`, 4 gloo ranks on 2 cores, PP4 1F1B m=8): busy
     compute 189 ms against 293 predicted with every rank busy; this factor gives 213."""
     if lay.pp == 1 or cluster.host_share is None:
         return 1.0
