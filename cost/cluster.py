@@ -22,7 +22,7 @@ from .calibration import (
     default_calibration_path,
     load_calibration,
 )
-from .hardware import GPUS, GPUSpec, get_gpu
+from .hardware import DTYPES, GPUS, GPUSpec, get_gpu
 from .params import CostParams
 from .profile import load_profile
 from .rings import ring_steps
@@ -110,6 +110,14 @@ NVLINK3 = Link(
         f"datasheet); hop latency: {_NCCL_TUNING} hwLat NVLink ring LL"
     ),
 )
+NVLINK5 = Link(
+    bandwidth=900e9,
+    latency=NVLINK_HOP_LATENCY_S,
+    source=(
+        "NVLink5: 1.8 TB/s bidirectional per GPU = 900 GB/s per direction (NVIDIA HGX B200 "
+        f"datasheet); hop latency assumed NVLink4's: {_NCCL_TUNING} hwLat NVLink ring LL"
+    ),
+)
 HDR_IB_PER_GPU = Link(
     bandwidth=25e9,
     latency=IB_HOP_LATENCY_S,
@@ -145,6 +153,9 @@ H100_INTRA_EFFICIENCY = {
 # A100 (no NVLS): 8xA100 SXM4 all-reduce busbw 230-250 GB/s of 300 ("NCCL-tests in practice",
 # docs.alayanew.com tech blog 2026-05-06, reference table); 240/300 assumed for every kind.
 A100_INTRA_EFFICIENCY = dict.fromkeys(COLLECTIVES, 240e9 / 300e9)
+# B200: no published 8-GPU nccl-tests figure at hand; NVLink5 behind NVSwitch with NVLS like
+# the H100's, so the H100's fractions of the link rate are assumed.
+B200_INTRA_EFFICIENCY = dict(H100_INTRA_EFFICIENCY)
 # NDR 400 Gb/s: "you should see 46-48 GB/s per NIC" (NCCL maintainer, NVIDIA/nccl-tests issue
 # #290) -> 47 / 50. Assumed the same for HDR.
 IB_EFFICIENCY = 47e9 / 50e9
@@ -200,15 +211,27 @@ def _profile(name: str) -> dict:
             "source": ("the Ultra-Scale Playbook's cluster; busbw calibration: " + source
                        + f"; cost parameters fitted to its measured runs ({H100_EFA_FIT.name})"),
         }
-    if name == "a100":
+    if name in ("a100-80gb", "a100-40gb"):
         return {
-            "gpu": GPUS["a100"],
+            "gpu": GPUS[name],
             "intra": NVLINK3,
             "inter": HDR_IB_PER_GPU,
             "intra_efficiency": dict(A100_INTRA_EFFICIENCY),
             "inter_efficiency": IB_EFFICIENCY,
             "base_latency": NCCL_BASE_LATENCY_S,
-            "source": "DGX A100 nodes, NVLink3/NVSwitch, HDR InfiniBand (datasheets)",
+            "source": f"DGX A100 nodes of {GPUS[name].name}, NVLink3/NVSwitch, HDR InfiniBand "
+                      "(datasheets)",
+        }
+    if name == "b200":
+        return {
+            "gpu": GPUS["b200"],
+            "intra": NVLINK5,
+            # DGX B200 datasheet: 8x ConnectX-7 400 Gb/s (OSFP) compute ports per node
+            "inter": NDR_IB_PER_GPU,
+            "intra_efficiency": dict(B200_INTRA_EFFICIENCY),
+            "inter_efficiency": IB_EFFICIENCY,
+            "base_latency": NCCL_BASE_LATENCY_S,
+            "source": "DGX B200 nodes, NVLink5/NVSwitch, NDR InfiniBand (datasheets)",
         }
     if name == "cpu":
         return {
@@ -223,7 +246,27 @@ def _profile(name: str) -> dict:
     raise KeyError(name)
 
 
-PROFILES = ("h100", "h100-efa", "h200", "a100", "cpu")
+PROFILES = ("h100", "h100-efa", "h200", "a100", "a100-80gb", "a100-40gb", "b200", "cpu")
+# A profile name kept for what it meant before the A100 parts were split: the SXM4 80GB part.
+PROFILE_ALIASES = {"a100": "a100-80gb"}
+# What `Cluster(..., overrides={...})` may change of a named part (a power-capped or custom
+# one), key -> what it is. Rates are per GPU, bandwidths payload bytes/s in one direction.
+PART_OVERRIDES = {
+    "peak_flops": "dense FLOP/s per dtype, merged over the datasheet's, e.g. {'bf16': 800e12}",
+    "flops_scale": "a factor on every peak FLOP/s (a power cap's lower clocks), e.g. 0.8",
+    "memory_bytes": "device memory in bytes, e.g. 64e9",
+    "memory_bw": "device memory bandwidth in B/s",
+    "matmul_efficiency": "fraction of the bf16 peak a large GEMM reaches (0-1]",
+    "memory_efficiency": "fraction of memory_bw a large copy reaches (0-1]",
+    "kernel_floor_s": "least seconds any kernel takes",
+    "intra_bandwidth": "NVLink bytes/s per GPU, one direction",
+    "intra_latency": "NVLink seconds per ring hop",
+    "inter_bandwidth": "network bytes/s per GPU, one direction",
+    "inter_latency": "network seconds per ring hop",
+    "inter_efficiency": "achieved fraction of inter_bandwidth (0-1]",
+    "base_latency": "seconds of fixed cost per collective call",
+}
+_FRACTIONS = ("matmul_efficiency", "memory_efficiency", "inter_efficiency")
 _OVERRIDABLE = (
     "gpu",
     "intra",
@@ -254,8 +297,11 @@ def _check_count(what: str, value: object) -> int:
 class Cluster:
     """A training cluster: ``nodes`` nodes of ``gpus_per_node`` GPUs of kind ``gpu``.
 
-    ``Cluster(name="h100", nodes=1, gpus_per_node=8, **overrides)`` starts from the named profile
-    (``PROFILES``) and replaces any field given in ``overrides`` (``gpu`` may be a GPU name).
+    ``Cluster(name="h100", nodes=1, gpus_per_node=8, overrides=None, **fields)`` starts from the
+    named profile (``PROFILES``; "a100" is "a100-80gb"), replaces any field given as a keyword
+    (``gpu`` may be a GPU name), then changes the part's numbers named in ``overrides``
+    (`PART_OVERRIDES`: a power-capped or custom part, e.g.
+    ``Cluster("h100", nodes=4, overrides={"flops_scale": 0.8, "memory_bytes": 64e9})``).
 
     intra / inter: the NVLink and the per-GPU network link.
     busbw_curves: kind -> [(nodes, busbw B/s)] measured at large messages (calibrated profiles),
@@ -289,7 +335,8 @@ class Cluster:
     host_share: HostShare | None
     source: str
 
-    def __init__(self, name: str = "h100", nodes: int = 1, gpus_per_node: int = 8, **overrides):
+    def __init__(self, name: str = "h100", nodes: int = 1, gpus_per_node: int = 8,
+                 overrides: dict | None = None, **replaced):
         key = str(name).lower()
         if key not in PROFILES:
             close = difflib.get_close_matches(key, PROFILES, n=1)
@@ -298,7 +345,7 @@ class Cluster:
                 f"unknown cluster profile {name!r}; known: {list(PROFILES)}, or "
                 f"Cluster.local() for this machine.{hint}"
             )
-        unknown = set(overrides) - set(_OVERRIDABLE)
+        unknown = set(replaced) - set(_OVERRIDABLE)
         if unknown:
             raise ValueError(
                 f"Cluster(...) got unknown fields {sorted(unknown)}; "
@@ -313,10 +360,12 @@ class Cluster:
             "fit_coverage": None,
             "host_share": None,
         }
-        values.update(_profile(key))
-        values.update(overrides)
+        values.update(_profile(PROFILE_ALIASES.get(key, key)))
+        values.update(replaced)
         if isinstance(values["gpu"], str):
             values["gpu"] = get_gpu(values["gpu"])
+        if overrides:
+            values.update(_apply_part_overrides(values, overrides))
         self._assign(name=key, nodes=nodes, gpus_per_node=gpus_per_node, **values)
 
     def _assign(self, **values) -> None:
@@ -444,8 +493,10 @@ class Cluster:
                              "Cluster.local(), for planning name a profile: Cluster('h100', nodes=...)")
         device = torch.cuda.get_device_name(0).lower()
         # the profile of each GPU kind, matched on the name CUDA reports ("NVIDIA H100 80GB HBM3")
-        known = {"h200": "h200", "h100": "h100", "a100": "a100"}
+        known = {"h200": "h200", "h100": "h100", "b200": "b200", "a100": "a100-80gb"}
         name = next((v for k, v in known.items() if k in device), None)
+        if name == "a100-80gb" and "80gb" not in device.replace(" ", ""):
+            name = "a100-40gb"  # CUDA names the parts "A100-SXM4-40GB" / "A100-SXM4-80GB"
         if name is None:
             raise ValueError(f"Cluster.detect(): no profile for the GPU {device!r}; name one with "
                              f"Cluster(<profile>, nodes=...) (profiles: {', '.join(PROFILES)}) or fit "
@@ -541,6 +592,57 @@ class Cluster:
         obj = cls.__new__(cls)
         obj._assign(**values)
         return obj
+
+
+def _apply_part_overrides(values: dict, overrides: dict) -> dict:
+    """The ``gpu``, ``intra``, ``inter``, ``inter_efficiency``, ``base_latency`` and ``source``
+    of a profile with the `PART_OVERRIDES` in ``overrides`` applied; ValueError naming an
+    unknown key or a bad value and the valid keys."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"Cluster(overrides={overrides!r}): give a dict, e.g. "
+                         "overrides={'flops_scale': 0.8}")
+    unknown = sorted(set(overrides) - set(PART_OVERRIDES))
+    if unknown:
+        valid = "; ".join(f"{k}: {v}" for k, v in PART_OVERRIDES.items())
+        raise ValueError(f"Cluster(overrides=...) got unknown keys {unknown}; valid keys: {valid}")
+    for k, v in overrides.items():
+        numbers = v.values() if k == "peak_flops" and isinstance(v, dict) else [v]
+        for x in numbers:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or x != x:
+                raise ValueError(f"Cluster(overrides={{{k!r}: {v!r}}}): {k} must be a positive "
+                                 f"number ({PART_OVERRIDES[k]})")
+        if k in _FRACTIONS and v > 1:
+            raise ValueError(f"Cluster(overrides={{{k!r}: {v!r}}}): {k} is a fraction in (0, 1]")
+    if "peak_flops" in overrides and not isinstance(overrides["peak_flops"], dict):
+        raise ValueError("Cluster(overrides={'peak_flops': ...}) takes a dict dtype -> FLOP/s, "
+                         "e.g. {'bf16': 800e12}; to scale every rate use 'flops_scale'")
+    gpu = values["gpu"].to_dict()
+    peaks = {**gpu["peak_flops"], **{k: float(v) for k, v in
+                                     overrides.get("peak_flops", {}).items()}}
+    bad = sorted(set(peaks) - set(DTYPES))
+    if bad:
+        raise ValueError(f"Cluster(overrides={{'peak_flops': ...}}): unknown dtypes {bad}; "
+                         f"use {list(DTYPES)}")
+    scale = float(overrides.get("flops_scale", 1.0))
+    gpu["peak_flops"] = {k: v * scale for k, v in peaks.items()}
+    for k in ("memory_bytes", "memory_bw", "matmul_efficiency", "memory_efficiency",
+              "kernel_floor_s"):
+        if k in overrides:
+            gpu[k] = float(overrides[k])
+    said = ", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items()))
+    gpu["name"] = f"{gpu['name']} (overridden)"
+    gpu["source"] = f"{gpu['source']}; overridden by the user: {said}"
+    out = {"gpu": GPUSpec.from_dict(gpu), "source": f"{values['source']}; overrides: {said}"}
+    for link in ("intra", "inter"):
+        old = values[link]
+        bw = float(overrides.get(f"{link}_bandwidth", old.bandwidth))
+        lat = float(overrides.get(f"{link}_latency", old.latency))
+        if (bw, lat) != (old.bandwidth, old.latency):
+            old = Link(bw, lat, f"{old.source}; overridden by the user")
+        out[link] = old
+    for k in ("inter_efficiency", "base_latency"):
+        out[k] = float(overrides.get(k, values[k]))
+    return out
 
 
 def _host_memory_bytes() -> float:

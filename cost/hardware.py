@@ -116,9 +116,13 @@ _HOPPER_PEAKS = {
     "fp8": 1979e12,
 }
 
+# NVIDIA A100 Tensor Core GPU datasheet (SXM4, 40GB and 80GB alike), dense: FP32 19.5 TFLOPS,
+# TF32 156, BF16/FP16 312. No FP8 in hardware: the key is absent on purpose.
+_AMPERE_PEAKS = {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
+
 GPUS: dict[str, GPUSpec] = {
     "h100": GPUSpec(
-        name="H100 SXM 80GB",
+        name="H100 SXM 80GB 700 W",  # datasheet: SXM5 "Max TDP up to 700W"
         peak_flops=dict(_HOPPER_PEAKS),
         # Datasheet: "80 GB" HBM3, decimal gigabytes -> 80e9 bytes; 3.35 TB/s.
         memory_bytes=80e9,
@@ -150,11 +154,11 @@ GPUS: dict[str, GPUSpec] = {
             "floor measured on an H200 2026-11-29 (cost/profiles/h200_probe_2026-11-29.json)"
         ),
     ),
-    "a100": GPUSpec(
+    "a100-80gb": GPUSpec(
         name="A100 SXM 80GB",
         # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB), dense: FP32 19.5 TFLOPS,
         # TF32 156, BF16/FP16 312. No FP8 in hardware: the key is absent on purpose.
-        peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+        peak_flops=dict(_AMPERE_PEAKS),
         memory_bytes=80e9,  # datasheet: 80 GB HBM2e (decimal)
         memory_bw=2.039e12,  # datasheet: 2,039 GB/s
         matmul_efficiency=H200_MEASURED_BF16_EFFICIENCY,
@@ -164,6 +168,40 @@ GPUS: dict[str, GPUSpec] = {
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB, dense); efficiencies and kernel "
             "floor assumed equal to the H200 measurements on this workplace"
+        ),
+    ),
+    "a100-40gb": GPUSpec(
+        name="A100 SXM 40GB",
+        peak_flops=dict(_AMPERE_PEAKS),  # datasheet: same compute as the 80GB part
+        memory_bytes=40e9,  # datasheet: 40 GB HBM2 (decimal)
+        memory_bw=1.555e12,  # datasheet: 1,555 GB/s
+        matmul_efficiency=H200_MEASURED_BF16_EFFICIENCY,
+        memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
+        kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
+        sm_count=108,  # datasheet: 108 SMs
+        source=(
+            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB, dense); efficiencies and kernel "
+            "floor assumed equal to the H200 measurements on this workplace"
+        ),
+    ),
+    "b200": GPUSpec(
+        name="B200 SXM 180GB",
+        # NVIDIA HGX B200 datasheet (8 GPUs, sparse figures): FP8 72 PFLOPS, FP16/BF16 36,
+        # TF32 18, FP32 0.6 (dense FP32). Per GPU and dense (sparse / 2): FP8 4.5, BF16 2.25,
+        # TF32 1.125 PFLOPS, FP32 75 TFLOPS.
+        peak_flops={"fp32": 75e12, "tf32": 1.125e15, "bf16": 2.25e15, "fp16": 2.25e15,
+                    "fp8": 4.5e15},
+        memory_bytes=180e9,  # DGX B200 datasheet: 1,440 GB HBM3e over 8 GPUs
+        memory_bw=8e12,  # HGX B200 datasheet: 64 TB/s over 8 GPUs
+        # no Blackwell measurement here: the H200's fractions of peak, an assumption
+        matmul_efficiency=H200_MEASURED_BF16_EFFICIENCY,
+        matmul_efficiency_by_dtype=dict(H200_DTYPE_EFFICIENCY),
+        memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
+        kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
+        sm_count=148,  # NVIDIA Blackwell architecture technical brief: 2 dies, 148 SMs
+        source=(
+            "NVIDIA HGX B200 / DGX B200 datasheets (per GPU, dense = sparse / 2); efficiencies "
+            "and kernel floor assumed equal to the H200 measurements on this workplace"
         ),
     ),
     "cpu": GPUSpec(
@@ -181,9 +219,16 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+# Names kept for the parts they meant before the profiles were split: "a100" was (and is) the
+# SXM4 80GB part.
+GPU_ALIASES = {"a100": "a100-80gb"}
+GPUS["a100"] = GPUS[GPU_ALIASES["a100"]]
+
+
 def get_gpu(name: str) -> GPUSpec:
-    """The GPUSpec called ``name`` (case-insensitive); ValueError listing the known names."""
-    key = name.lower()
+    """The GPUSpec called ``name`` (case-insensitive; "a100" is "a100-80gb"); ValueError listing
+    the known names."""
+    key = GPU_ALIASES.get(name.lower(), name.lower())
     if key in GPUS:
         return GPUS[key]
     close = difflib.get_close_matches(key, list(GPUS), n=1)

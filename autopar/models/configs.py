@@ -13,6 +13,28 @@ from dataclasses import dataclass
 __all__ = ["ModelConfig", "UnknownModelError", "CONFIGS", "names", "config"]
 
 
+class _DerivedHeadDim(int):
+    """``hidden // n_heads`` as `ModelConfig.head_dim` reads it when none was given: marked so
+    that ``dataclasses.replace(cfg, hidden=..., n_heads=...)`` derives it again."""
+
+
+class _HeadDim:
+    """`ModelConfig.head_dim`: the given width, else ``hidden // n_heads`` (re-derived from the
+    config's current shape, so a replaced hidden or head count carries through)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}_given"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None  # the dataclass field's default: derived
+        given = obj.__dict__.get(self.slot)
+        return given if given is not None else _DerivedHeadDim(obj.hidden // obj.n_heads)
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = None if isinstance(value, _DerivedHeadDim) else value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of one decoder-only transformer language model.
@@ -20,6 +42,12 @@ class ModelConfig:
     ``family`` selects the code: "gpt2" (learned positions, LayerNorm, GELU MLP),
     "llama" (RoPE, RMSNorm, SwiGLU, grouped-query attention) or "mixtral" (llama attention
     with a top-k mixture-of-experts SwiGLU MLP). ``n_experts == 0`` means dense.
+
+    ``head_dim``: width of one attention head; None (the default) means ``hidden // n_heads``.
+    Qwen3 and GPT-OSS style models set it apart from hidden / heads: the query and output
+    projections are then ``hidden x n_heads*head_dim`` and k/v ``hidden x n_kv_heads*head_dim``,
+    so attention's parameters are ``hidden * head_dim * (2*n_heads + 2*n_kv_heads)`` per block
+    and its score and value matmuls ``4 * s^2 * n_heads * head_dim`` FLOPs per sequence.
     """
 
     name: str
@@ -39,15 +67,23 @@ class ModelConfig:
     capacity_factor: float = 1.25
     norm_eps: float = 1e-5
     published_params: float | None = None
+    head_dim: int | None = _HeadDim()  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         # Fail at definition time rather than deep inside a forward pass.
+        given = self.__dict__.get("_head_dim_given")
+        if given is None:
+            if self.hidden % self.n_heads:
+                raise ValueError(f"{self.name}: heads must divide hidden (or give head_dim)")
+        elif isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise ValueError(f"{self.name}: head_dim={self.head_dim!r} must be an integer >= 1 "
+                             "(or None for hidden // n_heads)")
         if self.family not in ("gpt2", "llama", "mixtral"):
             raise ValueError(f"{self.name}: unknown family {self.family!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"{self.name}: unknown norm {self.norm!r}")
-        if self.hidden % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{self.name}: heads must divide hidden, kv heads must divide heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.name}: kv heads must divide heads")
         if self.rope_theta is not None and self.head_dim % 2:
             raise ValueError(f"{self.name}: RoPE needs an even head_dim")
         if (self.family == "mixtral") != (self.n_experts > 0):
@@ -56,9 +92,9 @@ class ModelConfig:
             raise ValueError(f"{self.name}: need 0 < top_k <= n_experts")
 
     @property
-    def head_dim(self) -> int:
-        """Width of one attention head: ``hidden // n_heads``."""
-        return self.hidden // self.n_heads
+    def attn_dim(self) -> int:
+        """Width of all query heads together: ``n_heads * head_dim`` (``hidden`` by default)."""
+        return self.n_heads * self.head_dim
 
 
 class UnknownModelError(KeyError):

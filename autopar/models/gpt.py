@@ -58,15 +58,15 @@ class GPTAttention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=True)
-        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=True)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.attn_dim, bias=True)
+        self.o_proj = nn.Linear(cfg.attn_dim, cfg.hidden, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, s, h = x.shape
-        # [b, s, 3h] -> 3 x [b, heads, s, head_dim]
+        b, s, _ = x.shape
+        # [b, s, 3*heads*head_dim] -> 3 x [b, heads, s, head_dim]
         q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
 class GPTMLP(nn.Module):

@@ -66,10 +66,10 @@ class LlamaAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
         kv_dim = cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden, cfg.attn_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden, kv_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden, kv_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.o_proj = nn.Linear(cfg.attn_dim, cfg.hidden, bias=False)
 
     def _repeat_kv(self, t: Tensor) -> Tensor:
         # [b, kv, s, d] -> [b, heads, s, d]; expand+reshape keeps shapes static for export.
