@@ -1,11 +1,14 @@
 """Tests for runtime.launch (spawning gloo ranks safely) and runtime.mesh.
 
 The per-rank functions live at module level so the "spawn" children can import them by name.
-Every failure case also checks the wall time: the launcher must fail fast, never hang.
+Every failure case checks that the launcher itself noticed the failure: it raises the failing
+rank's `RankFailedError` (a launcher that missed it would end in the launch's `TimeoutError`
+at `GUARD_S`, a guard against a hang, not a speed claim), and no rank is left running.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -50,8 +53,8 @@ def _exit_on_rank1(rank: int, world_size: int) -> None:
 
 
 def _sleep_on_rank1(rank: int, world_size: int) -> int:
-    if rank == 1:
-        time.sleep(600)
+    if rank == 1:  # far beyond the launch's limit; a launcher that ignores it returns results
+        time.sleep(120)
     return rank
 
 
@@ -124,67 +127,66 @@ def test_single_rank_and_env_override() -> None:
     assert "AUTOPAR_TEST_VAR" not in os.environ  # the parent's environment is restored
 
 
-def test_raising_rank_fails_fast_with_traceback() -> None:
-    t0 = time.monotonic()
+# The launch's limit in the failure tests: a guard against a hang, not a speed claim. The
+# peers' collective timeout is as long (spawn never lets it be longer) and starts later, when
+# the ranks reach their first collective; so a launcher that missed a failure would end in
+# the launch's TimeoutError, never in a RankFailedError.
+GUARD_S = 120
+
+
+def _launch_fails(fn, world: int, **kwargs) -> RankFailedError:
+    """spawn ``fn`` on ``world`` ranks: the RankFailedError it raised, no rank left running."""
+    kwargs = {"timeout_s": GUARD_S, "collective_timeout_s": GUARD_S, **kwargs}
     with pytest.raises(RankFailedError) as info:
-        spawn(_raise_on_rank1, 2, timeout_s=60)
-    elapsed = time.monotonic() - t0
-    err = info.value
+        spawn(fn, world, **kwargs)
+    assert multiprocessing.active_children() == []  # the peers were ended, not left waiting
+    return info.value
+
+
+def test_raising_rank_fails_with_its_traceback() -> None:
+    # rank 0 waits in a barrier its peer never joins: only the failure report ends the launch
+    err = _launch_fails(_raise_on_rank1, 2)
     assert err.rank == 1 and err.exitcode is None
     assert "ValueError: boom from rank one" in err.traceback_text
     assert "rank 1" in str(err) and "boom from rank one" in str(err)
     assert "_raise_on_rank1" in str(err)  # a real traceback, with the frame
-    assert elapsed < 20, elapsed
 
 
 def test_dead_rank_detected_by_exit_code() -> None:
-    t0 = time.monotonic()
-    with pytest.raises(RankFailedError) as info:
-        spawn(_exit_on_rank1, 2, timeout_s=60)
-    elapsed = time.monotonic() - t0
-    assert info.value.rank == 1 and info.value.exitcode == 3
-    assert "rank 1" in str(info.value) and "exit code 3" in str(info.value)
-    assert elapsed < 20, elapsed  # startup (~2 s) + detection, far below the timeout
+    err = _launch_fails(_exit_on_rank1, 2)
+    assert err.rank == 1 and err.exitcode == 3
+    assert "rank 1" in str(err) and "exit code 3" in str(err)
 
 
 def test_killed_rank_names_the_signal() -> None:
-    t0 = time.monotonic()
-    with pytest.raises(RankFailedError, match="rank 1 died.*SIGKILL"):
-        spawn(_killed_on_rank1, 2, timeout_s=60)
-    assert time.monotonic() - t0 < 20
+    err = _launch_fails(_killed_on_rank1, 2)
+    assert err.rank == 1 and err.exitcode == -signal.SIGKILL
+    assert "rank 1 died" in str(err) and "SIGKILL" in str(err)
 
 
 def test_global_timeout_names_unfinished_ranks() -> None:
-    t0 = time.monotonic()
     # Rank 0 normally finishes well inside the limit; under heavy load it may not, so it may
-    # be listed too, but rank 1 (asleep) must be.
+    # be listed too, but rank 1 (asleep far beyond the limit) must be.
     with pytest.raises(TimeoutError, match=r"ranks not finished: \[(0, )?1\]"):
         spawn(_sleep_on_rank1, 2, timeout_s=5)
-    assert time.monotonic() - t0 < 10
+    assert multiprocessing.active_children() == []
 
 
-def test_stopped_rank_is_named_within_seconds() -> None:
-    # A SIGSTOP'd rank is alive and holds its sockets open: no sentinel, no peer error.
-    t0 = time.monotonic()
-    with pytest.raises(RankFailedError) as info:
-        spawn(_stopped_on_rank1, 3, timeout_s=60, stopped_grace_s=2)
-    elapsed = time.monotonic() - t0
-    assert info.value.rank == 1
-    assert "stopped" in str(info.value) and "SIGSTOP" in info.value.summary
-    assert "fix:" in info.value.summary
-    assert elapsed < 20, elapsed
+def test_stopped_rank_is_named() -> None:
+    # A SIGSTOP'd rank is alive and holds its sockets open: no sentinel, no peer error; only
+    # the process-state watch (2 s grace here) can name it before the launch's limit.
+    err = _launch_fails(_stopped_on_rank1, 3, stopped_grace_s=2)
+    assert err.rank == 1
+    assert "stopped" in str(err) and "SIGSTOP" in err.summary
+    assert "fix:" in err.summary
 
 
 def test_stopped_rank_without_the_watch_ends_at_the_collective_timeout() -> None:
-    # With the process-state check off, the peers' bounded collective timeout ends the launch,
-    # and the stopped rank is still the one named.
-    t0 = time.monotonic()
-    with pytest.raises(RankFailedError) as info:
-        spawn(_stopped_on_rank1, 2, timeout_s=90, collective_timeout_s=8, stopped_grace_s=None)
-    elapsed = time.monotonic() - t0
-    assert info.value.rank == 1, info.value
-    assert "stopped" in info.value.summary
-    assert elapsed < 45, elapsed  # start-up + 8 s + teardown; far below the 90 s launch limit
+    # With the process-state check off, the peers' bounded collective timeout (8 s, well inside
+    # the launch's limit) ends the launch, and the stopped rank is still the one named.
+    err = _launch_fails(_stopped_on_rank1, 2, collective_timeout_s=8, stopped_grace_s=None)
+    assert err.rank == 1, err
+    assert "stopped" in err.summary
 
 
 def test_default_timeouts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
