@@ -18,6 +18,11 @@ Rows, all in one run:
   other cell, then ranking the held-out cell: the out-of-sample figure. Each fold starts from
   the all-cell fit and runs the same bounded least squares to the held-in data (at most
   ``fold_evals`` evaluations).
+- ``autopar (leave one model out)``: for each model of the file, the cost model fitted from
+  the `CostParams()` defaults (at most ``max_evals`` evaluations, as the all-cell fit) on the
+  other models' runs only, then ranking every cell of the held-out model: out of sample on a
+  model whose quirks the fit never saw (fit on 1B, rank 8B; fit on 8B, rank 1B). Absent when
+  the file holds one model.
 - ``autopar (fit on all cells)``: the shipped profile's parameters; in-sample.
 - ``autopar (unfitted defaults)``: `CostParams()` defaults, the model before calibration.
 - ``textbook``: `autopar.bench.textbook`, no fitting.
@@ -46,6 +51,12 @@ DEFAULT_RUNS = Path(__file__).parent / "data" / "playbook-runs-1b-8b.csv"
 # the acceptance bar of issue 11 (leave-one-cell-out)
 TARGETS = {"regret_median": 0.99, "regret_worst": 0.90, "spearman_median": 0.85,
            "fit_recall": 0.97, "best_ratio_median_abs_error": 0.15}
+# the acceptance bar of issue 27 (leave-one-model-out); "oracle_ratio_worst": the least, over
+# cells, of the cell's regret over the twin-blind oracle's regret for the same cell
+MODEL_TARGETS = {"regret_median": 0.99, "oracle_ratio_worst": 0.90, "spearman_median": 0.85,
+                 "fit_recall": 0.97}
+LOCO = "autopar (leave one cell out)"
+LOMO = "autopar (leave one model out)"
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -142,14 +153,15 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
                        max_evals: int = 300, quick: bool = False,
                        progress: Callable[[str], None] | None = print) -> dict:
     """Every row of the module docstring on the runs file at ``path`` (the playbook's by
-    default). ``quick``: the 1B cells only, fewer evaluations (a smoke run, minutes)."""
+    default). ``quick``: every model's cells on at most 2 nodes, fewer evaluations (a smoke
+    run, minutes; leave-one-model-out still has two models to swap)."""
     t0 = time.perf_counter()
     say = progress or (lambda _: None)
     runs, skipped = usable(read_runs(path or DEFAULT_RUNS))
     if skipped:
         say(skipped_note(skipped))
     if quick:
-        runs = [r for r in runs if r.model == "playbook-1b"]
+        runs = [r for r in runs if r.nodes <= 2]
         fold_evals, max_evals = min(fold_evals, 15), min(max_evals, 60)
     cells = _by_cell(runs)
     pricer = RunPricer("h100-efa", progress=say)
@@ -181,21 +193,61 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
         p = pricer.price(test, fold.params)
         loo_tps[idx], loo_fits[idx] = p.tps, p.fits
         folds[f"{model} x{nodes}"] = fold.params.to_dict()
-    rows["autopar (leave one cell out)"] = _score(runs, cells, loo_tps, loo_fits)
+    rows[LOCO] = _score(runs, cells, loo_tps, loo_fits)
+    model_fits = _leave_one_model_out(runs, cells, pricer, rows, max_evals, say)
 
     rows[ORACLE] = _oracle_scores(runs, cells)
 
     summary = {name: summarize(c) for name, c in rows.items()}
-    loo, base = summary["autopar (leave one cell out)"], summary["textbook"]
+    for name in (LOCO, LOMO, "textbook"):
+        if name in rows:
+            summary[name]["oracle_ratio_worst"] = oracle_ratio_worst(rows[name], rows[ORACLE])
+    loo, base = summary[LOCO], summary["textbook"]
     checks = {k: {"value": loo[k], "target": v, "ok": _meets(k, loo[k], v),
                   "beats_textbook": _meets(k, loo[k], base[k]),
                   "oracle": summary[ORACLE][k], "oracle_ok": _meets(k, summary[ORACLE][k], v)}
               for k, v in TARGETS.items()}
+    model_checks = {}
+    if LOMO in summary:
+        lomo = summary[LOMO]
+        model_checks = {k: {"value": lomo[k], "target": v, "ok": _meets(k, lomo[k], v),
+                            "beats_textbook": _meets(k, lomo[k], base[k])}
+                        for k, v in MODEL_TARGETS.items()}
     return {"runs_file": str(path or DEFAULT_RUNS), "runs": len(runs), "cells": len(cells),
             "skipped_rows": [r.row for r in skipped],
             "quick": quick, "seconds": round(time.perf_counter() - t0, 1),
             "fit": full.report, "params": full.params.to_dict(), "fold_params": folds,
-            "rows": rows, "summary": summary, "checks": checks}
+            "model_fits": model_fits, "rows": rows, "summary": summary, "checks": checks,
+            "model_checks": model_checks}
+
+
+def oracle_ratio_worst(scores: dict[str, dict], oracle: dict[str, dict]) -> float:
+    """min over cells of regret / the twin-blind oracle's regret for that cell (nan when no
+    cell has an oracle regret above 0)."""
+    ratios = [c["regret"] / oracle[cell]["regret"] for cell, c in scores.items()
+              if oracle.get(cell, {}).get("regret", 0) > 0]
+    return float(min(ratios)) if ratios else float("nan")
+
+
+def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say) -> dict:
+    """Fill ``rows[LOMO]`` (see the module docstring); returns each held-out model's fit report
+    (the parameters with their bounds). Nothing when the runs hold one model."""
+    names = sorted({r.model for r in runs})
+    if len(names) < 2:
+        say("one model in the runs: no leave-one-model-out row")
+        return {}
+    tps, fits = np.zeros(len(runs)), np.zeros(len(runs), dtype=bool)
+    reports = {}
+    for k, held in enumerate(names, start=1):
+        say(f"model fold {k}/{len(names)}: fitting from the defaults without {held} ...")
+        train = [r for r in runs if r.model != held]
+        fold = fit_params(train, pricer, start=CostParams(), max_evals=max_evals)
+        idx = [i for i, r in enumerate(runs) if r.model == held]
+        p = pricer.price([runs[i] for i in idx], fold.params)
+        tps[idx], fits[idx] = p.tps, p.fits
+        reports[held] = {"fitted_on": sorted(set(names) - {held}), **fold.report}
+    rows[LOMO] = _score(runs, cells, tps, fits)
+    return reports
 
 
 def format_playbook_bench(result: dict) -> str:
@@ -213,13 +265,14 @@ def format_playbook_bench(result: dict) -> str:
     lines += ["", "leave one cell out, per cell (the twin-blind oracle's regret and spearman "
               "in brackets):"]
     rows = result["rows"]
-    loo, tb, orc = rows["autopar (leave one cell out)"], rows["textbook"], rows.get(ORACLE, {})
+    loo, tb, orc = rows[LOCO], rows["textbook"], rows.get(ORACLE, {})
     for cell, c in loo.items():
         o = orc.get(cell)
         ceiling = f" [{o['regret']:.3f}, {o['spearman']:+.2f}]" if o else ""
         lines.append(f"  {cell:16s} regret {c['regret']:.3f} (textbook {tb[cell]['regret']:.3f})"
                      f"{ceiling} spearman {c['spearman']:+.2f} best pred/meas "
                      f"{c['best_ratio']:.2f} pick {c['pick']}")
+    lines += _model_out_lines(result)
     lines += ["", "fitted parameters (all cells; bounds):"]
     for name, p in result["fit"]["parameters"].items():
         flag = "  at bound" if p["at_bound"] else ""
@@ -234,3 +287,33 @@ def format_playbook_bench(result: dict) -> str:
                      f"{'ok' if c['ok'] else 'MISSED'}; "
                      f"{'beats' if c['beats_textbook'] else 'does not beat'} the textbook{allows}")
     return "\n".join(lines)
+
+
+def _model_out_lines(result: dict) -> list[str]:
+    """Per cell: leave-one-model-out regret beside the twin-blind oracle's and their ratio;
+    the folds' fitted parameters; the acceptance lines of issue 27."""
+    rows = result["rows"]
+    if LOMO not in rows:
+        return ["", "leave one model out: the runs hold one model, nothing to hold out"]
+    lomo, orc, tb = rows[LOMO], rows[ORACLE], rows["textbook"]
+    lines = ["", "leave one model out, per cell (fitted on the other model only; out of sample):",
+             f"  {'cell':16s} {'regret':>7s} {'oracle':>7s} {'ratio':>6s} {'textbook':>8s} "
+             f"{'spearman':>8s} {'fit rec':>7s}  pick"]
+    for cell, c in lomo.items():
+        o = orc[cell]["regret"]
+        ratio = c["regret"] / o if o > 0 else float("nan")
+        lines.append(f"  {cell:16s} {c['regret']:7.3f} {o:7.3f} {ratio:6.3f} "
+                     f"{tb[cell]['regret']:8.3f} {c['spearman']:+8.2f} {c['fit_recall']:7.3f}  "
+                     f"{c['pick']}")
+    for held, rep in result.get("model_fits", {}).items():
+        lines.append(f"  fitted without {held} (on {', '.join(rep['fitted_on'])}; bounds):")
+        for name, p in rep["parameters"].items():
+            flag = "  at bound" if p["at_bound"] else ""
+            lines.append(f"    {name:28s} {p['value']:<12.4g} [{p['lower']:g}, {p['upper']:g}] "
+                         f"{p['unit']}{flag}")
+    lines += ["", "acceptance of issue 27 (leave one model out):"]
+    for k, c in result.get("model_checks", {}).items():
+        lines.append(f"  {k:30s} {c['value']:.3f} target {c['target']:g}: "
+                     f"{'met' if c['ok'] else 'NOT MET'}; "
+                     f"{'beats' if c['beats_textbook'] else 'does not beat'} the textbook")
+    return lines
