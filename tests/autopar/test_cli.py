@@ -3,9 +3,10 @@
 import json
 import subprocess
 import sys
-import time
+from unittest import mock
 
 import pytest
+import torch
 
 from autopar import cli
 from autopar.cli import main
@@ -73,7 +74,7 @@ def test_dump_shows_the_collectives_of_the_plan(capsys):
     assert "# ZeRO-3: gather block layers.0's weights for the forward" in text
 
 
-@pytest.mark.slow  # a benchmark's smoke run (90 s here): benchmarks live apart from the default run
+@pytest.mark.slow  # a benchmark's smoke run: benchmarks live apart from the default run
 def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monkeypatch):
     from autopar.bench.runtime import format_runtime_bench, run_runtime_bench
 
@@ -87,20 +88,26 @@ def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monke
     json.dumps(result)
 
 
-# --- a user's mistakes: one paragraph naming the problem and the fix, fast, no traceback ------
+# --- a user's mistakes: one paragraph naming the problem and the fix, no traceback, ---------
+# --- answered from the arguments and configs before any model is built or captured ---------
 
-# The checks run before any model is built or captured; in-process they take milliseconds.
-FAST_S = 2.0
 GPT2_8 = ["plan", "--model", "gpt2", "--quiet"]  # one node of 8 H100s, the default cluster
 
 
-def _fails(capsys, argv, *needles, fast=True, fix=True):
+def _fails(capsys, argv, *needles, early=True, fix=True):
     """Run the CLI on argv: exit 2, one `autopar: error:` paragraph with a fix, no traceback.
 
-    fix=False: a failure inside a rank, whose fix is whatever its exception says."""
-    t0 = time.perf_counter()
-    code = main(argv)
-    elapsed = time.perf_counter() - t0
+    early=True: the answer came before any torch module was constructed (no model built, so
+    none captured). fix=False: a failure inside a rank, whose fix is whatever its exception says."""
+    built = []
+    module_init = torch.nn.Module.__init__
+
+    def recording_init(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        module_init(self, *args, **kwargs)
+
+    with mock.patch.object(torch.nn.Module, "__init__", recording_init):
+        code = main(argv)
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err
@@ -110,8 +117,8 @@ def _fails(capsys, argv, *needles, fast=True, fix=True):
     assert "fix:" in message or not fix, message
     for needle in needles:
         assert needle in message, (needle, message)
-    if fast:
-        assert elapsed < FAST_S, elapsed
+    if early:
+        assert built == [], f"a model was built before the argument check: {built[:3]}"
     return message
 
 
@@ -196,7 +203,7 @@ def test_dump_failure_in_a_rank_is_one_paragraph(capsys, monkeypatch):
     # command prints the failing rank and the root cause, not the 40-line RankFailedError.
     monkeypatch.setattr(cli, "_check_executable", lambda layout: None)
     argv = ["dump", "--model", "tiny-llama", "--world", "2", "--layout", "dp=2,precision=bf16"]
-    message = _fails(capsys, argv, "failed: UnsupportedLayoutError", "--verbose", fast=False,
+    message = _fails(capsys, argv, "failed: UnsupportedLayoutError", "--verbose", early=False,
                     fix=False)
     assert message.startswith("autopar: error: rank ")
 
@@ -218,15 +225,12 @@ def test_dump_verbose_shows_the_rank_traceback(capsys, monkeypatch):
 
 
 def test_command_line_from_a_shell_is_one_paragraph():
-    # `python -m autopar`, as a user types it; most of the time is importing torch and autopar.
-    t0 = time.perf_counter()
+    # `python -m autopar`, as a user types it (the timeout only guards against a hang)
     proc = subprocess.run([sys.executable, "-m", "autopar", "plan", "--model", "gpt2", "--seq", "0"],
                           capture_output=True, text=True, timeout=120)
-    elapsed = time.perf_counter() - t0
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("autopar: error: --seq 0") and "fix:" in proc.stderr
-    assert elapsed < 30, elapsed  # start-up (imports) only: the check itself is milliseconds
 
 
 def test_calibrate_runs_errors_and_profile_flag(tmp_path, capsys):
@@ -240,16 +244,14 @@ def test_calibrate_runs_errors_and_profile_flag(tmp_path, capsys):
 
 
 def test_argument_errors_answer_before_torch_is_imported():
-    """A bad argument is answered from the configs alone: torch (about 3 s to import on a
-    small box) is never loaded, so the message comes back in a fraction of a second."""
+    """A bad argument is answered from the configs alone: torch, the slow part of starting a
+    command, is never loaded (so neither is any model)."""
     code = ("import sys; from autopar.cli import main\n"
             "for argv in (['plan', '--model', 'gpt2', '--seq', '0'], ['plan', '--layout', 'dp=eight'],\n"
             "             ['plan', '--model', 'gtp2'], ['dump', '--model', 'tiny-llama', '--layout', 'pp=2,zero=3']):\n"
             "    assert main(argv) == 2, argv\n"
             "print('torch' in sys.modules)")
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
     assert out.stderr.count("autopar: error:") == 4 and out.stderr.count("fix:") == 4
-    assert time.perf_counter() - t0 < 10  # generous: 0.2 s here idle; the check is the import
