@@ -3,8 +3,8 @@
     pip install -e '.[examples]'
     torchrun --nproc-per-node 4 examples/train_hf_text.py [--steps 60] [--layout dp=2,tp=2,sp=1]
 
-The text is this repository's own documentation (README.md, NOTES.md and shared design notes
-when present), read as bytes: nothing is downloaded. Each sequence is a window of the text;
+The text is this repository's own documentation (README.md, docs/*.md and NOTES.md when
+present), read as bytes: nothing is downloaded. Each sequence is a window of the text;
 about a third of the rows are cut short, as documents shorter than the window are, and padded
 with labels -100, so that each rank and micro-batch holds a different number of valid tokens.
 
@@ -30,7 +30,7 @@ import transformers
 import autopar
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = [ROOT / "README.md", ROOT / "NOTES.md", ROOT.parent / "shared" / "DESIGN.md"]
+TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "NOTES.md"]
 
 
 class CausalLM(torch.nn.Module):
