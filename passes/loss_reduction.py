@@ -1,0 +1,551 @@
+"""The loss's reduction over the batch: proven to split exactly, or refused.
+
+Data parallelism over d ranks and gradient accumulation over m micro-batches cut one step's
+batch into P = d m pieces; piece k runs the captured graph on its rows and computes its own loss
+L_k. The step's loss must be the one-device loss L over the whole batch, its gradients those of
+L. `analyze_loss` proves, on the captured joint graph, that L is a linear combination
+
+    L = sum_i c_i N_i / D_i + sum_j a_j M_j + U                                         (1)
+
+of batch-reduced values, each of a kind whose pieces add up:
+
+- E, extensive: a sum over the batch of per-sample values, N = sum_k N_k;
+- A, averaged: a mean over the batch (a sum divided by its constant element count),
+  M = (1/P) sum_k M_k, since every piece holds the same number of rows;
+- U, uniform: no user input in it (a weight decay term, a constant), the same in every piece;
+- a ratio N_i / D_i whose denominator D_i is a *data-only* extensive value (from user inputs,
+  buffers and constants, never parameters: a token count, a mask's sum, the ``total_weight``
+  of a weighted or mean ``nll_loss``).
+
+Per-sample values (kind B, with the dimension the batch is split on) are followed through
+pointwise ops, views and reductions over other dimensions; the model's own ops (matmuls,
+embeddings, attention, norms) are taken as per-sample along dim 0, as data parallelism itself
+assumes. Anything else reaching the loss (a batch-reduced value squared or logged, a max or
+median over the batch, a product of two means, a sum added to a mean) is refused with the
+op and the user's source line.
+
+The pieces then add up to L in one of four ways (`LossReduction.mode`), each a choice of the
+loss's seed gradient s_k for piece k (the data-parallel pass divides it by d again, so the
+runtime feeds d w_k with sum over all pieces of w_k = 1 for a mean):
+
+- "mean": no ratio: w_k = 1 / P (every piece's mean weighs the same; uniform terms too);
+- "sum": the loss is extensive (``reduction="sum"``): w_k = 1;
+- "ratio": one data-only denominator D and otherwise only uniform terms, L = N / D + U:
+  w_k = D_k / D, since sum_k (D_k / D)(N_k / D_k + U) = N / D + U. Only the seed changes, so
+  tensor parallelism and pipelines carry it;
+- "global": several denominators, or ratios beside means: every denominator node D_i is
+  replaced by a new graph input fed D_i / P, D_i summed over all pieces before the step runs
+  (`rewrite_denominators`). Piece k then computes c_i N_ik P / D_i, which averages (w_k = 1/P)
+  to c_i N_i / D_i, while means and uniform terms average as in "mean". The forward and the
+  backward read the same node, so both see the global value. A mean ``nll_loss`` is rewritten
+  as its sum divided by the new input; its backward already divides by ``total_weight``.
+
+``Counter`` computes every D_i of one micro-batch from its user inputs and buffers (ops copied
+from the captured graph; a ``total_weight`` from the labels and class weights).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from cost.plan_types import GraphSignature
+
+aten = torch.ops.aten
+
+_MEAN, _SUM = 1, 2  # torch's Reduction::Mean, Reduction::Sum
+DENOMINATOR = "denominator"  # kind of the graph inputs `rewrite_denominators` adds
+# ops that keep a value's content (a view, a copy, a dtype change)
+_SAME = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+         aten.clone.default, aten.detach.default, aten.contiguous.default, aten._to_copy.default,
+         aten.lift_fresh_copy.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+         aten.unsqueeze.default, aten.expand.default, aten.permute.default, aten.transpose.int,
+         aten.t.default}
+_LINEAR_SUM = {aten.sum.default, aten.sum.dim_IntList}
+_LINEAR_MEAN = {aten.mean.default, aten.mean.dim}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How a value behaves when the batch is cut into pieces (see the module docstring).
+
+    kind: "U" | "B" (per-sample, batch on dim ``dim``) | "E" | "A" | "X" (not provable, ``why``);
+    dens: the data-only denominators a value divides by ("B": pending, "A": its ratios);
+    data_only: an "E" computed without parameters (a candidate denominator);
+    means: an "A" holding a mean over the batch (not only ratios and uniform terms).
+    """
+
+    kind: str
+    dim: int = 0
+    dens: tuple = ()
+    data_only: bool = False
+    means: bool = False
+    why: str = ""
+    node: fx.Node | None = None
+
+
+_U = Kind("U")
+
+
+def _x(node: fx.Node, why: str) -> Kind:
+    return Kind("X", why=why, node=node)
+
+
+@dataclass
+class Counter:
+    """The denominators of one micro-batch: ``gm(*inputs) -> tuple of 0-dim tensors``.
+
+    inputs: ("input", index of the step's user input) or ("buffer", name), per placeholder.
+    """
+
+    gm: fx.GraphModule
+    inputs: list[tuple[str, str]]
+
+    def __call__(self, user_inputs: tuple, buffers: dict) -> torch.Tensor:
+        args = [user_inputs[int(name)] if kind == "input" else buffers[name] for kind, name in self.inputs]
+        with torch.no_grad():
+            return torch.stack([v.to(torch.float64).reshape(()) for v in self.gm(*args)])
+
+
+@dataclass
+class LossReduction:
+    """What `analyze_loss` proved about the loss, and how the runtime splits it exactly.
+
+    mode: "mean" | "sum" | "ratio" | "global" (see the module docstring) | "unproven";
+    counter: the denominators' counter ("ratio": one, "global": one per denominator node);
+    denominators: the denominator nodes, in the counter's order; why/node: what is unproven.
+    """
+
+    mode: str
+    counter: Counter | None = None
+    denominators: list[fx.Node] = field(default_factory=list)
+    why: str = ""
+    node: fx.Node | None = None
+
+    def where(self) -> str:
+        """Where the unproven op comes from: the user's source line if the capture recorded
+        it (``meta["stack_trace"]``), else the module whose forward ran it."""
+        if self.node is None:
+            return ""
+        trace = self.node.meta.get("stack_trace") or ""
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+        if lines:
+            return "\n    ".join(lines[-2:])
+        module = self.node.meta.get("module")
+        return f"in the forward of {module or 'the top-level module (or loss_fn)'}"
+
+
+def analyze_loss(gm: fx.GraphModule, signature: GraphSignature) -> LossReduction:
+    """Prove the loss output of the joint graph ``gm`` is of form (1), and say how to split it."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = output.args[0][signature.loss_index]
+    kinds_in = dict(zip(signature.placeholders, signature.inputs))
+    batch = _local_batch(gm, kinds_in)
+    needed = _ancestors(loss)
+    has_param: dict[fx.Node, bool] = {}
+    kinds: dict[fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node not in needed:
+            continue
+        has_param[node] = (kinds_in.get(node.name, ("",))[0] == "param"
+                           or any(has_param.get(i, False) for i in node.all_input_nodes))
+        kinds[node] = _kind(node, kinds, kinds_in, batch, has_param)
+    top = kinds[loss]
+    if top.kind == "X":
+        return LossReduction("unproven", why=top.why, node=top.node)
+    if top.kind == "B":
+        return LossReduction("unproven", why="the loss is not reduced over the batch", node=loss)
+    if top.kind == "E":
+        return LossReduction("sum")
+    dens = list(dict.fromkeys(top.dens))
+    if not dens:
+        return LossReduction("mean")
+    for den in dens:
+        if den.target == aten.nll_loss_forward.default:  # its total_weight, read by its backward
+            uses = [(u, t) for t in den.users if t.args[1] == 1 for u in t.users]
+        else:
+            uses = [(u, den) for u in den.users]
+        bad = [u for u, d in uses if not _divides_by(u, d)]
+        if bad:
+            return LossReduction("unproven", node=bad[0], why=f"the normaliser {den.name} is also "
+                                 f"used otherwise than as a divisor ({bad[0].target})")
+    counter = _counter(gm, dens, kinds_in)
+    if isinstance(counter, str):
+        return LossReduction("unproven", why=counter, node=dens[0])
+    mode = "ratio" if len(dens) == 1 and not top.means else "global"
+    return LossReduction(mode, counter=counter, denominators=dens)
+
+
+def _local_batch(gm: fx.GraphModule, kinds_in: dict) -> int:
+    sizes = [n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"
+             and kinds_in.get(n.name, ("",))[0] == "input" and n.meta["val"].dim() > 0]
+    return int(sizes[0]) if sizes else 1
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _divides_by(user: fx.Node, den: fx.Node) -> bool:
+    if user.target in (aten.div.Tensor,) and len(user.args) == 2 and user.args[1] is den and user.args[0] is not den:
+        return True
+    return user.target == aten.nll_loss_backward.default and user.args[6] is den and user.args[4] == _MEAN
+
+
+def _shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _kind(node: fx.Node, kinds: dict, kinds_in: dict, batch: int, has_param: dict):
+    """The kind of ``node`` from its inputs' (a list of kinds for a multi-output op)."""
+    if node.op == "placeholder":
+        return Kind("B", 0) if kinds_in.get(node.name, ("",))[0] == "input" else _U
+    if node.op != "call_function":
+        return _U
+    ins = [kinds[i] for i in node.all_input_nodes]
+    flat = [k for i in ins for k in (i if isinstance(i, list) else [i])]
+    if all(k.kind == "U" for k in flat):
+        return _U
+    bad = next((k for k in flat if k.kind == "X"), None)
+    if bad is not None:
+        return bad
+    target = node.target
+    if target == operator.getitem:
+        parent = kinds[node.args[0]]
+        return parent[node.args[1]] if isinstance(parent, list) else parent
+    if target == aten.nll_loss_forward.default:
+        return _nll(node, kinds, has_param)
+    if target in _LINEAR_SUM or target in _LINEAR_MEAN:
+        return _reduce(node, kinds[node.args[0]], has_param)
+    if target in _SAME:
+        return _same(node, kinds[node.args[0]])
+    if any(k.kind in "EA" for k in flat):
+        return _algebra(node, kinds)
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return _pointwise(node, kinds)
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(a.name in ("dim", "dims") for a in schema.arguments):
+        return _along_dims(node, kinds)
+    return _model_op(node, kinds, batch)
+
+
+def _value(node, kinds) -> Kind | None:
+    """A python number or a node's kind (None for a number)."""
+    return kinds[node] if isinstance(node, fx.Node) else None
+
+
+def _algebra(node: fx.Node, kinds: dict) -> Kind:
+    """Linear combinations of batch-reduced values, and B / D with a data-only D."""
+    t = node.target
+    args = [_value(a, kinds) for a in node.args[:2]]
+    name = str(getattr(t, "__name__", t))
+    if t in (aten.neg.default,):
+        return args[0]
+    if t in (aten.add.Tensor, aten.sub.Tensor) and all(a is not None for a in args):
+        a, b = args
+        if a.kind == "U":
+            a, b = b, a
+        if b.kind == "U" and a.kind == "A":
+            return a
+        if a.kind == b.kind == "E":
+            return Kind("E", data_only=a.data_only and b.data_only)
+        if a.kind == b.kind == "A":
+            return Kind("A", dens=a.dens + b.dens, means=a.means or b.means)
+        return _x(node, f"{name} adds a sum over the batch to a mean or a per-sample value "
+                  f"({a.kind} + {b.kind}): no split of the batch keeps it")
+    if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
+        k = next(a for a in args if a is not None)
+        return k if k.kind == "A" else _x(node, f"{name} adds a constant to a sum over the batch")
+    if t in (aten.mul.Tensor, aten.mul.Scalar):
+        a, b = args
+        if a is None or a.kind == "U":
+            return b
+        if b is None or b.kind == "U":
+            return a
+        return _x(node, f"{name} multiplies two batch-dependent values ({a.kind} x {b.kind}): not linear "
+                  "in the batch")
+    if t in (aten.div.Tensor, aten.div.Scalar):
+        a, b = args
+        if b is None or b.kind == "U":
+            return a
+        if b.kind == "E" and b.data_only and a.kind in "EB" and not a.dens:
+            den = node.args[1]
+            return Kind("A", dens=(den,)) if a.kind == "E" else Kind("B", a.dim, dens=(den,))
+        return _x(node, f"{name} divides by a batch-dependent value that is not a data-only sum over "
+                  "the batch (a count or a mask's sum)")
+    return _x(node, f"{name} of a value reduced over the batch: not linear in the batch")
+
+
+def _reduce(node: fx.Node, k: Kind, has_param: dict) -> Kind:
+    """sum / mean: over the batch dimension, a per-sample value becomes E / A."""
+    shape = _shape(node.args[0]) or ()
+    mean = node.target in _LINEAR_MEAN
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = list(range(len(shape))) if not dims else [d % max(len(shape), 1) for d in dims]
+    if k.kind in "EA":  # over the remaining (non-batch) dims: still linear
+        return k
+    if k.dim not in dims:
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        return Kind("B", k.dim if keep else k.dim - sum(d < k.dim for d in dims), dens=k.dens)
+    if mean:
+        if k.dens:
+            return _x(node, "a mean over the batch of values divided by a batch sum")
+        return Kind("A", means=True)
+    if k.dens:
+        return Kind("A", dens=k.dens)
+    return Kind("E", data_only=not has_param[node])
+
+
+def _nll(node: fx.Node, kinds: dict, has_param: dict) -> list[Kind] | Kind:
+    """nll_loss_forward: (loss, total_weight)."""
+    x, target, weight, reduction, _ = node.args
+    kx, kt = kinds[x], kinds[target]
+    if kx.kind != "B" or kx.dim != 0 or kt.kind not in "BU" or kx.dens:
+        return _x(node, "nll_loss over values that are not per-sample along dim 0")
+    data_only = not has_param[target] and (weight is None or not has_param[weight])
+    total = Kind("E", data_only=data_only)
+    if reduction == _SUM:
+        return [Kind("E"), total]
+    if reduction == _MEAN:
+        if not data_only:
+            return _x(node, "nll_loss's class weights come from parameters")
+        return [Kind("A", dens=(node,)), total]
+    return [Kind("B", 0), total]
+
+
+def _same(node: fx.Node, k: Kind) -> Kind:
+    """Views and copies: E / A / U unchanged, a per-sample value's batch dimension followed."""
+    if k.kind != "B":
+        return k
+    t, a = node.target, node.args
+    src, out = _shape(a[0]), _shape(node)
+    if src is None or out is None:
+        return _x(node, f"{t} without shapes")
+    d = k.dim
+    if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        d = _view_dim(src, out, d)
+    elif t == aten.expand.default:
+        d = d + len(out) - len(src)
+    elif t == aten.permute.default:
+        d = [p % len(src) for p in a[1]].index(d)
+    elif t in (aten.transpose.int, aten.t.default):
+        i, j = (0, 1) if t == aten.t.default else (a[1] % len(src), a[2] % len(src))
+        d = j if d == i else i if d == j else d
+    elif t == aten.unsqueeze.default:
+        d = d + (a[1] % len(out) <= d)
+    elif t in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
+        d = _view_dim(src, out, d)
+    if d is None:
+        return _x(node, f"{t} reshapes the batch dimension")
+    return Kind("B", d, dens=k.dens)
+
+
+def _view_dim(src: tuple, out: tuple, d: int) -> int | None:
+    """The dim of ``out`` the batch dim ``d`` of ``src`` becomes, with the batch its outermost
+    factor (so the pieces stay contiguous chunks of it); None if the view mixes it otherwise."""
+    before = math.prod(src[:d])
+    for j in range(len(out)):
+        if math.prod(out[:j]) == before and out[j] != 1:
+            return j if out[j] % src[d] == 0 or src[d] % out[j] == 0 else None
+        if math.prod(out[:j]) > before:
+            break
+    return 0 if src[d] == 1 and len(out) else None
+
+
+def _aligned(node: fx.Node, kinds: dict, rank: int) -> tuple[int | None, tuple, str]:
+    """The output batch dim of a broadcasting op, or None and why."""
+    dims, dens = set(), ()
+    for i in node.all_input_nodes:
+        k = kinds[i]
+        if isinstance(k, list) or k.kind != "B":
+            continue
+        shape = _shape(i) or ()
+        dims.add(k.dim + rank - len(shape))
+        dens += k.dens
+    if len(dims) != 1:
+        return None, (), "per-sample inputs disagree on the batch dimension"
+    d = dims.pop()
+    for i in node.all_input_nodes:  # a uniform tensor as long as the batch would not split
+        shape = _shape(i) or ()
+        pos = d - (rank - len(shape))
+        if kinds[i] == _U and 0 <= pos < len(shape) and shape[pos] != 1:
+            return None, (), "a constant tensor spans the batch dimension"
+    if len(set(dens)) > 1:
+        return None, (), "per-sample values divided by different batch sums"
+    return d, tuple(dict.fromkeys(dens)), ""
+
+
+def _pointwise(node: fx.Node, kinds: dict) -> Kind:
+    out = _shape(node)
+    if out is None:
+        return _x(node, f"{node.target} without a shape")
+    d, dens, why = _aligned(node, kinds, len(out))
+    if d is None:
+        return _x(node, f"{node.target}: {why}")
+    return Kind("B", d, dens=dens)
+
+
+def _along_dims(node: fx.Node, kinds: dict) -> Kind:
+    """An op with a ``dim`` argument (softmax, amax, cumsum, gather, slice, ...): per-sample
+    unless it runs along the batch dimension."""
+    k = kinds[node.all_input_nodes[0]]
+    src, out = _shape(node.all_input_nodes[0]), _shape(node)
+    if isinstance(k, list) or k.kind != "B" or src is None:
+        return _x(node, f"{node.target} of a value reduced over the batch")
+    if out is None:  # several outputs (max.dim, sort): read the first's shape
+        val = node.meta.get("val")
+        out = tuple(val[0].shape) if isinstance(val, (tuple, list)) else None
+    schema = node.target._schema
+    bound = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
+    dims = bound.get("dim", bound.get("dims"))
+    dims = list(range(len(src))) if dims is None or dims == [] else (
+        [dims] if isinstance(dims, int) else list(dims))
+    dims = [x % max(len(src), 1) for x in dims]
+    if k.dim in dims:
+        return _x(node, f"{node.target} runs along the batch dimension: its pieces do not combine "
+                  "into the whole batch's value")
+    d = k.dim if out is None or len(out) == len(src) else k.dim - sum(x < k.dim for x in dims)
+    result = Kind("B", d, dens=k.dens)
+    val = node.meta.get("val")
+    return [result] * len(val) if isinstance(val, (tuple, list)) else result
+
+
+def _model_op(node: fx.Node, kinds: dict, batch: int) -> Kind | list[Kind]:
+    """Another op (a matmul, an embedding, attention, a norm): per-sample along dim 0 when its
+    per-sample inputs are, as data parallelism assumes of the model."""
+    ins = [kinds[i] for i in node.all_input_nodes]
+    if any(isinstance(k, list) or k.kind != "B" and k.kind != "U" for k in ins):
+        return _x(node, f"{node.target} of a value reduced over the batch")
+    if any(k.kind == "B" and (k.dim != 0 or k.dens) for k in ins):
+        return _x(node, f"{node.target} of per-sample values whose batch is not on dim 0")
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    out = []
+    for v in vals:
+        ok = isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % batch == 0
+        out.append(Kind("B", 0) if ok else _x(node, f"{node.target} mixes the samples of the batch"))
+    return out if isinstance(val, (tuple, list)) else out[0]
+
+
+def _counter(gm: fx.GraphModule, dens: list[fx.Node], kinds_in: dict) -> Counter | str:
+    """A graph computing every denominator from user inputs and buffers, or why it cannot."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    needed: set[fx.Node] = set()
+    for den in dens:
+        roots = [den] if den.target != aten.nll_loss_forward.default else [
+            a for a in (den.args[1], den.args[2]) if isinstance(a, fx.Node)]
+        for r in roots:
+            needed |= _ancestors(r)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[tuple[str, str]] = []
+    for node in sorted(needed, key=order.__getitem__):
+        if node.op == "placeholder":
+            kind, name = kinds_in.get(node.name, ("", ""))
+            if kind not in ("input", "buffer"):
+                return f"the normaliser reads {kind or node.name} {name}, not only inputs and buffers"
+            env[node] = graph.placeholder(node.name)
+            inputs.append((kind, name.removeprefix("input") if kind == "input" else name))
+        elif node.op == "call_function":
+            env[node] = graph.node_copy(node, env.__getitem__)
+        else:
+            return f"the normaliser reads {node.op} {node.target}"
+    outs = []
+    for den in dens:
+        if den.target == aten.nll_loss_forward.default:
+            outs.append(_total_weight(graph, env[den.args[1]], env.get(den.args[2]), den.args[4]))
+        else:
+            outs.append(env[den])
+    graph.output(tuple(outs))
+    return Counter(fx.GraphModule(torch.nn.Module(), graph), inputs)
+
+
+def _total_weight(graph: fx.Graph, target: fx.Node, weight: fx.Node | None, ignore: int) -> fx.Node:
+    """nll_loss's total_weight: sum over the labels not ignored of their class weight (1 each
+    without weights)."""
+    valid = graph.call_function(aten.ne.Scalar, (target, ignore))
+    if weight is None:
+        return graph.call_function(aten.sum.default, (valid,))
+    safe = graph.call_function(aten.where.ScalarOther, (valid, target, 0))
+    picked = graph.call_function(aten.index.Tensor, (weight, [safe]))
+    kept = graph.call_function(aten.where.ScalarOther, (valid, picked, 0.0))
+    return graph.call_function(aten.sum.default, (kept,))
+
+
+def rewrite_denominators(gm: fx.GraphModule, signature: GraphSignature,
+                         reduction: LossReduction) -> GraphSignature:
+    """Replace each denominator node by a new graph input (kind `DENOMINATOR`, named by its
+    index in the counter's outputs), in place; the new signature. A mean ``nll_loss`` becomes
+    its sum divided by the input; its backward reads the input as ``total_weight``."""
+    graph = gm.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    inputs = list(signature.inputs)
+    for i, den in enumerate(reduction.denominators):
+        with graph.inserting_after(last):
+            holder = graph.placeholder(f"loss_denominator_{i}")
+        last = holder
+        val = den.meta.get("val")
+        val = val[1] if isinstance(val, (tuple, list)) else val
+        holder.meta["val"] = torch.empty((), dtype=_den_dtype(gm, signature, val), device=val.device)
+        holder.meta["autopar"] = "the loss's normaliser summed over the step's pieces, / pieces"
+        inputs.append((DENOMINATOR, str(i)))
+        if den.target == aten.nll_loss_forward.default:
+            _nll_over(graph, den, holder)
+        else:
+            den.replace_all_uses_with(holder)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return GraphSignature(inputs=inputs, placeholders=[n.name for n in graph.nodes if n.op == "placeholder"],
+                          grad_index=dict(signature.grad_index), loss_index=signature.loss_index,
+                          buffer_index=dict(signature.buffer_index))
+
+
+def _den_dtype(gm: fx.GraphModule, signature: GraphSignature, val) -> torch.dtype:
+    """The loss's dtype (a count is an integer, its share of the step is not)."""
+    seeds = set(signature.placeholder_of("tangent").values())
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name in seeds:
+            return n.meta["val"].dtype
+    return val.dtype if val.is_floating_point() else torch.float32
+
+
+def _nll_over(graph: fx.Graph, nll: fx.Node, holder: fx.Node) -> None:
+    """(nll mean, total_weight) -> (nll sum / holder, holder)."""
+    users = list(nll.users)
+    with graph.inserting_before(nll.next):  # in order, after nll
+        summed = graph.call_function(aten.nll_loss_forward.default, (*nll.args[:3], _SUM, nll.args[4]))
+        summed.meta = dict(nll.meta)
+        value = graph.call_function(operator.getitem, (summed, 0))
+        value.meta["val"] = nll.meta["val"][0]
+        divided = graph.call_function(aten.div.Tensor, (value, holder))
+        divided.meta["val"] = nll.meta["val"][0]
+    for user in users:  # getitem 0: the loss; getitem 1: total_weight, read by the backward
+        user.replace_all_uses_with(divided if user.args[1] == 0 else holder)
+
+
+def seed_weights(reduction: LossReduction | None, counts: list[torch.Tensor] | None,
+                 total: torch.Tensor | None, dp: int, m: int) -> list[float]:
+    """The loss's seed gradient per micro-batch, d w_k (see the module docstring)."""
+    if reduction is None or reduction.mode in ("mean", "global"):
+        return [1.0 / m] * m
+    if reduction.mode == "sum":
+        return [float(dp)] * m
+    t = float(total[0])
+    # no valid token in the whole step: one device's mean is 0/0 = nan, and so is this
+    return [dp * float(c[0]) / t if t else float("nan") for c in counts]
+
+
+Feeds = Callable[[tuple, dict], torch.Tensor]
