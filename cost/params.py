@@ -122,10 +122,9 @@ PARAMETERS: tuple[ParamSpec, ...] = (
               "the playbook's DP=8 run of its 1.34B model over the kernel roofline, 40,150 / "
               "47,124 tok/s/GPU"),
     # within 2x of the H200 measurement (12 GEMMs, 5 % mean error; the H100 has the same SMs):
-    # wider, the fit traded GEMM size against the host floor (0.1 and 2.45 from two starts)
-    # the playbook's runs barely constrain it (the fit's cost moves 0.2 % between 0.5 and 2,
-    # dominated by the pipelines' stalls: it drifted to a bound in every refit), so the fit
-    # holds the measurement unless the runs say otherwise
+    # wider bounds let the fit trade GEMM size against the host floor. The playbook's runs
+    # barely constrain it (the fit's cost moves 0.2 % between 0.5 and 2, dominated by the
+    # pipelines' stalls), so a prior holds the measurement unless the runs say otherwise
     ParamSpec("gemm_half_scale", 0.5, 2.0, "x H200 fit", "the H200 GEMM fit itself",
               log_scale=True, prior=1.0),
     ParamSpec("layer_overhead_s", 0.0, 5e-3, "s per block per micro-batch",

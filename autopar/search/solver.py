@@ -236,7 +236,7 @@ def solve(
 ) -> Solution:
     """The fastest layout of ``step`` that fits ``cluster``; raises `NoFeasiblePlanError`.
 
-    executable_only: search only what `autopar.parallelize` executes today
+    executable_only: search only what `autopar.parallelize` executes
     (`unsupported_decisions` is empty), as parallelize asks. recompute: the recompute modes
     searched (by default "auto", the cost model's choice per layout).
     """
