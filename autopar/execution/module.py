@@ -2,28 +2,58 @@
 
 ``loss = pm(*batch)`` runs this rank's graph (`runtime.executor.run_step`); ``pm.parameters()``
 are DTensors with the plan's placements; ``pm.dump_graph()`` prints the rank's graph with each
-collective commented with the decision behind it.
+collective commented with the decision behind it. ``pm.eval()`` runs the eval-mode forward
+instead (`autopar.execution.evaluation`); ``pm.train()`` switches back to the training step.
 """
 
 from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import InputError
+from autopar.execution.evaluation import EvalGraphs, evaluate, refuse_pipeline
 from autopar.planning.plan import Plan
 from runtime.executor import RankGraph, run_step
 from runtime.pipeline import PipelinePlan
 
 
 class ParallelModule(nn.Module):
-    """The model, parallelised: call it like the original; its parameters are DTensors."""
+    """The model, parallelised: call it like the original; its parameters are DTensors.
+
+    Training (``pm.train()``, the default): ``pm(*batch)`` runs the plan's step and returns the
+    loss; ``loss.backward()`` fills ``p.grad`` of ``pm.parameters()``. Evaluation
+    (``pm.eval()``, with or without ``torch.no_grad()``): the module's eval-mode forward on the
+    DTensor weights, its output whole on every rank and in the module's own structure; no
+    buffer is updated (BatchNorm reads its running statistics), dropout is off.
+
+    Every rank must pass the same global batch (or, with ``local_batch=True``, its own
+    data-parallel slice, all of one size, the same on the ranks of one TP group): each call
+    all-gathers a small digest of the batch (shapes and a float64 sum over at most 256 strided
+    elements per input) over the ranks and raises `InputError` where they disagree, on every
+    rank alike. ``batch_check_calls``: how many calls are checked (None: all).
+
+    RNG: dropout draws its masks from each rank's own default generator (the process's
+    ``torch.manual_seed``). Under data parallelism each rank draws the masks of its own slice
+    of the batch, so the step is one of many a single device could take, not the one it takes
+    with the same seed. Under tensor parallelism the ranks of a TP group hold replicated
+    activations and draw masks for them independently: seed every rank alike
+    (``torch.manual_seed(s)`` on each) so that their masks agree.
+    """
+
+    batch_check_calls: int | None = None
 
     def __init__(self, module: nn.Module, rank_graph: RankGraph, plan: Plan, mesh: DeviceMesh,
                  input_shapes: list[tuple[int, ...]], canonical: list[str],
-                 local_batch: bool = False, unloaded: set[str] | None = None) -> None:
+                 local_batch: bool = False, unloaded: set[str] | None = None,
+                 original: nn.Module | None = None, loss_fn: Callable | None = None) -> None:
         super().__init__()
         # adopt the copy's children, weights and buffers: names stay those of the original
         self._modules.update(module._modules)
@@ -36,19 +66,58 @@ class ParallelModule(nn.Module):
         self._canonical = canonical
         self._local_batch = local_batch
         self._unloaded = set(unloaded or ())  # shards of a meta model not yet filled
+        # the copy itself, unregistered (its children are ours): its forward is the model's
+        self.__dict__["_source"] = module
+        self.__dict__["_loss_fn"] = loss_fn
+        self._eval_graphs = EvalGraphs()
+        self._calls = 0
+        if original is not None:
+            guard_original(original)
+
+    def train(self, mode: bool = True) -> ParallelModule:
+        """`nn.Module.train`: ``mode=False`` (``pm.eval()``) makes calls evaluate."""
+        super().train(mode)
+        self._source.training = mode
+        return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """`nn.Module.load_state_dict`; for a model parallelised from the meta device this is
-        how its shards are filled (after ``torch.distributed.checkpoint.load(sd, ...)``)."""
+        how its shards are filled (after ``torch.distributed.checkpoint.load(sd, ...)``).
+
+        A one-device state dict (whole plain tensors where the module holds DTensors, as
+        ``torch.save(model.state_dict())`` writes) is loaded by `load_full_state_dict`."""
+        own = dict(self.named_parameters(remove_duplicate=False))
+        if any(isinstance(own.get(k), DTensor) and isinstance(v, torch.Tensor)
+               and not isinstance(v, DTensor) for k, v in state_dict.items()):
+            return self.load_full_state_dict(state_dict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._unloaded -= set(state_dict)
         return result
 
-    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer whole, in the original module's names (on every rank)."""
+        from autopar.execution.state_dict import full_state_dict
+
+        return full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]):
+        """Fill each rank's shards from whole tensors in the original module's names."""
+        from autopar.execution.state_dict import load_full_state_dict
+
+        result = load_full_state_dict(self, state_dict)
+        self._unloaded -= set(state_dict)
+        return result
+
+    def forward(self, *batch: torch.Tensor, **named: torch.Tensor):
         """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients.
 
         With ``local_batch=True`` at `parallelize`, ``batch`` is this rank's data-parallel
-        slice (ranks of one TP group pass the same slice)."""
+        slice (ranks of one TP group pass the same slice). Keyword arguments are bound to the
+        original forward's parameters. In eval mode: the module's eval-mode output."""
+        if named:
+            batch = self._bind(batch, named)
+        # another memory layout of the planned shapes (column-major ids, channels_last images)
+        batch = tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in batch)
         if self._unloaded:
             raise InputError(
                 f"the model was parallelised from the meta device and {len(self._unloaded)} "
@@ -56,7 +125,16 @@ class ParallelModule(nn.Module):
                 "the shards from a checkpoint first: sd = pm.state_dict(); "
                 "torch.distributed.checkpoint.load(sd, checkpoint_id=...); pm.load_state_dict(sd)")
         shapes = [tuple(x.shape) for x in batch]
-        if shapes != self._input_shapes:
+        planned = shapes == self._input_shapes
+        if self.batch_check_calls is None or self._calls < self.batch_check_calls:
+            check_same_batch(batch, self.mesh, self._local_batch, planned or not self.training,
+                             self._input_shapes)
+        self._calls += 1
+        if not self.training:
+            refuse_pipeline(self.plan.layout.pp)
+            return evaluate(self._eval_graphs, self._source, self.mesh, dict(self.named_parameters()),
+                            dict(self.named_buffers()), batch, self._local_batch, self._loss_fn)
+        if not planned:
             what = "this rank's slice of the example inputs" if self._local_batch else "the example inputs"
             raise InputError(
                 f"batch shapes {shapes} differ from {what}, {self._input_shapes}, that the step "
@@ -64,10 +142,30 @@ class ParallelModule(nn.Module):
             )
         dp = self.plan.layout.dp
         local = batch if self._local_batch else tuple(x.chunk(dp, dim=0)[_dp_rank(self.mesh)] for x in batch)
-        named = dict(self.named_parameters(remove_duplicate=False))
-        params = [(name, named[name]) for name in self._canonical]
+        named_params = dict(self.named_parameters(remove_duplicate=False))
+        params = [(name, named_params[name]) for name in self._canonical]
         buffers = dict(self.named_buffers())
         return run_step(self._rank_graph, params, buffers, local)
+
+    def _bind(self, batch: tuple, named: dict) -> tuple:
+        """Positional inputs, in the captured order, from keyword arguments bound to the
+        original forward's signature; `InputError` naming its parameters otherwise."""
+        signature = inspect.signature(self._source.forward)
+        takes = ", ".join(signature.parameters)
+        n = len(self._input_shapes)
+        try:
+            bound = signature.bind(*batch, **named)
+        except TypeError as exc:
+            raise InputError(f"pm(...) takes the arguments of {type(self._source).__name__}.forward"
+                             f"({takes}): {exc}") from exc
+        values = list(bound.args)
+        if len(values) != n or bound.kwargs:
+            raise InputError(
+                f"the step was captured with {n} positional inputs but these arguments bind to "
+                f"{len(values)} positional and {sorted(bound.kwargs) or 'no'} keyword-only ones of "
+                f"{type(self._source).__name__}.forward({takes}).\n  fix: pass the inputs the example "
+                "inputs held, in that order or by these names")
+        return tuple(values)
 
     def dump_graph(self, rank: int | None = None) -> str:
         """This rank's graph as Python, each collective commented with the decision behind it."""
@@ -158,3 +256,93 @@ def _stage_graph_lines(s: int, gm, inputs, title: str, outputs: str) -> list[str
 def _dp_rank(mesh: DeviceMesh) -> int:
     """This rank's coordinate on the data-parallel axis: which slice of the batch it runs."""
     return mesh.get_local_rank("dp")
+
+
+_GUARDED: weakref.WeakSet = weakref.WeakSet()
+_HOOK: list = []
+
+
+def guard_original(model: nn.Module) -> None:
+    """Make an optimizer over ``model``'s parameters (the DDP habit: built over the model passed
+    to `parallelize`) an `InputError` at its first ``step()`` where none of its parameters has a
+    gradient: the parallel module trains a copy, so those parameters never receive one and the
+    optimizer would silently train nothing. Training the original on one device (its own
+    backward fills its gradients) is left alone."""
+    for p in model.parameters():
+        _GUARDED.add(p)
+    if not _HOOK:
+        _HOOK.append(torch.optim.optimizer.register_optimizer_step_pre_hook(_refuse_original))
+
+
+def _refuse_original(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """The optimizer step pre-hook of `guard_original`."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(p in _GUARDED for p in params) or any(p.grad is not None for p in params):
+        return
+    raise InputError(
+        f"{type(optimizer).__name__} steps the parameters of the model passed to "
+        "autopar.parallelize, which the parallel module does not train (it trains its own "
+        "DTensor copy), so they never receive a gradient and nothing would change.\n  fix: build "
+        f"the optimizer over the parallel module: opt = torch.optim.{type(optimizer).__name__}"
+        "(pm.parameters(), ...)")
+
+
+_SAMPLE = 256  # elements per input summed into the digest
+
+
+def check_same_batch(batch, mesh: DeviceMesh, local_batch: bool, shapes_ok: bool,
+                     planned: list[tuple[int, ...]]) -> None:
+    """`InputError` on every rank where the ranks' batches disagree: under ``local_batch=False``
+    all ranks must pass the same global batch; with ``local_batch=True`` slices of one size,
+    the ranks of one TP group the same slice. ``shapes_ok``: this rank's shapes are usable
+    (all ranks learn of one rank's wrong shapes here, and raise together, instead of the others
+    waiting in the step's collectives).
+
+    Cost per call: a float64 sum over at most 256 strided elements of each input and one
+    all-gather of 2 + 3 x (inputs) float64 values over the world group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    tensors = [x for x in batch if isinstance(x, torch.Tensor)]
+    row = [float(mesh.get_local_rank("dp")), float(shapes_ok)]
+    for x in tensors:
+        flat = x.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].double()
+        weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
+        row += [float(x.shape[0]) if x.dim() else 0.0, float(x.numel()), float((sample * weights).sum())]
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(rows, mine)
+    except RuntimeError as exc:  # another number of inputs on some rank: rows of other lengths
+        raise InputError("the ranks passed different numbers of inputs to pm(...): pass the same "
+                         "batch on every rank") from exc
+    _judge([r.tolist() for r in rows], local_batch, planned)
+
+
+def _judge(rows: list[list[float]], local_batch: bool, planned: list[tuple[int, ...]]) -> None:
+    """The error, if any, that the gathered batch digests ``rows`` (one per rank) call for."""
+    bad = [r for r, row in enumerate(rows) if not row[1]]
+    if bad:
+        what = "this rank's data-parallel slice" if local_batch else "the global batch"
+        raise InputError(f"rank {bad[0]} passed a batch whose shapes differ from those the step was "
+                         f"planned for ({what}: {planned}).\n  fix: pass batches of the planned shapes "
+                         "on every rank, or call autopar.parallelize again with the new shapes")
+    sizes = {tuple(row[2::3]) + tuple(row[3::3]) for row in rows}
+    if len(sizes) > 1:
+        raise InputError(
+            "the ranks passed batches of different sizes "
+            f"({sorted(set(tuple(int(v) for v in row[2::3]) for row in rows))} rows).\n  fix: "
+            + ("give every rank a slice of the same size (drop or pad the last, uneven batch)"
+               if local_batch else "pass the same global batch on every rank"))
+    for r, row in enumerate(rows):
+        peers = [o for o, other in enumerate(rows) if other[0] == row[0] or not local_batch]
+        differ = [o for o in peers if rows[o][4::3] != row[4::3]]
+        if differ:
+            raise InputError(
+                f"ranks {r} and {differ[0]} passed different data"
+                + (" in one tensor-parallel group (its ranks share one data-parallel slice)"
+                   if local_batch else "") + ".\n  fix: "
+                + ("pass the same slice on the ranks of a TP group" if local_batch else
+                   "pass the same global batch on every rank, or parallelize with "
+                   "local_batch=True and give each rank its own data-parallel slice"))
