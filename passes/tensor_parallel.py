@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -64,6 +64,7 @@ _KEEPS_PARTIAL = {
 _MERGING_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
 _LOSS_PLAIN_ARGS = {aten.nll_loss_forward.default: (1,), aten.nll_loss_backward.default: (2, 6)}
+_NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
 _PARALLEL_LOSS = {aten._log_softmax.default, aten.nll_loss_forward.default,
                   aten._log_softmax_backward_data.default, aten.nll_loss_backward.default}
 _SAME_VALUE = {aten.clone.default, aten.alias.default, aten.detach.default}
@@ -217,6 +218,10 @@ class _Interpreter:
                          and a.placements[0] == Replicate() else a for i, a in enumerate(args))
         if str(node.target) in self.replicated_ops:
             return self._replicated(node, args, kwargs, None)
+        if node.target in _NLL_BACKWARD and _class_sharded(args[1]):
+            return _vocab_nll_backward(node, args)
+        if node.target is aten._log_softmax_backward_data.default and _class_sharded(args[1], args[2]):
+            return self._vocab_log_softmax_backward(node, args)
         if is_grouped_forward(node) or is_grouped_backward(node):
             return self._grouped(node, args, kwargs)
         if is_grouped_weight_grad(node):
@@ -236,6 +241,10 @@ class _Interpreter:
             if not _no_strategy(exc):
                 raise
             return self._replicated(node, args, kwargs, exc)
+        if isinstance(out, DTensor) and any(isinstance(p, _MaskPartial) for p in out.placements):
+            # a vocabulary-sharded lookup: its mask lives until the first reduction, so reduce
+            # it here once rather than at each consumer (a view of it and the value itself)
+            return self._reduced(out, node, "its consumers")
         return _tree_wrap(out, self.mesh)  # factories (arange, ...) give every rank the same
 
     def _reduce_partials(self, node, args, env):
@@ -244,19 +253,38 @@ class _Interpreter:
                 return x
             if not isinstance(arg_node, fx.Node):
                 raise AssertionError(f"a partial sum outside the graph's values at {node}")
-            target, how = Replicate(), "all-reduce"
-            seq = _sequence_dim(x, *self.tokens)
-            summed = all(p.reduce_op == "sum" for p in x.placements if p.is_partial())
-            if self.sp and summed and seq is not None and x.shape[seq] % self.mesh.size() == 0:
-                target, how = Shard(seq), "reduce-scatter onto the sequence (SP)"
-            # a max over shards (an FP8 scale's amax) is reduced whole: every rank scales alike
-            what = f"the partial sums of {arg_node} (row-/vocab-parallel output)" if summed else \
-                f"(max) the amax {arg_node} over the TP shards (an FP8 scale)"
-            with _why(f"TP: {how} {what} before {_op_name(node)}"):
-                env[arg_node] = x.redistribute(self.mesh, [target])  # once, for every consumer
+            env[arg_node] = self._reduced(x, arg_node, _op_name(node))  # once, for every consumer
             return env[arg_node]
 
         return _map_with_nodes(node.args, args, reduce)
+
+    def _reduced(self, x: DTensor, arg_node: fx.Node, before: str) -> DTensor:
+        """``x`` (a partial sum or max over the TP shards) reduced: all-reduce, or under SP a
+        reduce-scatter onto the sequence dimension."""
+        target, how = Replicate(), "all-reduce"
+        seq = _sequence_dim(x, *self.tokens)
+        summed = all(p.reduce_op == "sum" for p in x.placements if p.is_partial())
+        if self.sp and summed and seq is not None and x.shape[seq] % self.mesh.size() == 0:
+            target, how = Shard(seq), "reduce-scatter onto the sequence (SP)"
+        # a max over shards (an FP8 scale's amax) is reduced whole: every rank scales alike
+        what = f"the partial sums of {arg_node} (row-/vocab-parallel output)" if summed else \
+            f"(max) the amax {arg_node} over the TP shards (an FP8 scale)"
+        with _why(f"TP: {how} {what} before {before}"):
+            return x.redistribute(self.mesh, [target])
+
+    def _vocab_log_softmax_backward(self, node, args):
+        """The log-softmax's backward on vocabulary-sharded log-probabilities ``y``:
+        dx = dy - exp(y) * sum_v dy, the sum over the whole vocabulary (an all-reduce of one
+        value per row). DTensor's ``loss_parallel`` passes dy straight through instead, exact
+        only when ``nll_loss`` is the log-probabilities' one consumer; this is exact for any
+        (label smoothing, a gather of the target's log-probability, an entropy term)."""
+        dy, y, dim, dtype = args
+        total = dy.sum(dim, keepdim=True)
+        if any(p.is_partial() for p in total.placements):
+            with _why(f"TP: all-reduce the row sums of the gradient {node.args[0]} over the vocabulary "
+                      f"shards (the log-softmax's backward, {node})"):
+                total = total.redistribute(self.mesh, [Replicate()])
+        return (dy - torch.exp(y) * total).to(dtype)
 
     def _gather_merged_sequence(self, node, args):
         """[b, s/t, h] -> [b*s, h] (before a matmul): Megatron-SP gathers the sequence here,
@@ -381,6 +409,35 @@ class _Interpreter:
                 value = value.to_local()
             outs.append(value)
         return tuple(outs)
+
+
+def _class_sharded(x, dim: int | None = None) -> bool:
+    """``x`` is a DTensor sharded on its class dimension (``dim``, else 1, or 0 for 1-D)."""
+    if not isinstance(x, DTensor):
+        return False
+    dim = (1 if x.ndim >= 2 else 0) if dim is None else dim % x.ndim
+    return isinstance(x.placements[0], Shard) and x.placements[0].dim == dim
+
+
+def _vocab_nll_backward(node, args):
+    """``nll_loss``'s own backward on vocabulary-sharded log-probabilities: the gradient is
+    -w[t] * g (/ total weight for a mean) at each row's target class t, zero elsewhere, so each
+    rank writes the rows whose target is in its shard of classes and needs no communication.
+    (DTensor's ``loss_parallel`` instead fuses the log-softmax's backward in here.)"""
+    grad, x, target, weight, reduction, ignore_index, total_weight = args
+    cdim = 1 if x.ndim >= 2 else 0
+    local_x = x.to_local()
+    n = local_x.shape[cdim]
+    offset = x.device_mesh.get_local_rank() * n
+    target, total_weight = (v.full_tensor() if isinstance(v, DTensor) else v for v in (target, total_weight))
+    local = target - offset
+    mine = (target != ignore_index) & (local >= 0) & (local < n)
+    local = torch.where(mine, local, -1)  # -1: another rank's class, or ignored
+    if weight is not None:
+        weight = (weight.full_tensor() if isinstance(weight, DTensor) else weight)[offset:offset + n]
+    grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    out = node.target(grad, local_x, local, weight, reduction, -1, total_weight)
+    return _placed(out, x.device_mesh, Shard(cdim), x.shape)
 
 
 def _is_shard(placement) -> bool:
