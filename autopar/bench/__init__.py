@@ -44,6 +44,8 @@ BENCHES: dict[str, Bench] = {
     "playbook": Bench("autopar.bench.playbook", "run_playbook_bench", "format_playbook_bench",
                       lambda a: {"path": a.runs, "quick": a.quick}),
     "fp8": Bench("autopar.bench.fp8", "run_fp8_bench", "format_fp8_bench", _quick),
+    "published": Bench("autopar.bench.published", "run_published_bench",
+                       "format_published_bench", _quick),
     "recompute": Bench("autopar.bench.recompute", "run_recompute_bench",
                        "format_recompute_bench", _quick),
 }

@@ -214,12 +214,17 @@ class RunPricer:
         c.params = params if params is not None else self._profile_params
         return c
 
+    def run_cluster(self, run: Run, params=None) -> Cluster:
+        """The cluster ``run`` ran on, pricing with ``params`` (a subclass prices runs of
+        several GPU kinds; here every run is on ``cluster`` at its node count)."""
+        return self.cluster(run.nodes, params)
+
     def facts(self, run: Run) -> StepFacts:
         """The step facts of ``run``'s model at its global batch, TP roles for its degree."""
-        key = (run.model, run.seq, run.global_batch, run.layout.tp)
+        key = (run.model, run.seq, run.global_batch, run.layout.tp, self._kind(run))
         if key not in self._facts:
-            step = self._step(run.model, run.seq)
-            base = step.facts_for(self.cluster(run.nodes), run.layout)
+            step = self._step(run)
+            base = step.facts_for(self.run_cluster(run), run.layout)
             # the runs' framework cut its pipelines by compute, not under each stage's memory:
             # priced so, a run that ran out of memory is not made to fit by a better cut; and it
             # does not all-reduce a token count every step (autopar's runtime does)
@@ -227,17 +232,25 @@ class RunPricer:
                                                    counts_tokens=False, _memo={})
         return self._facts[key]
 
-    def _step(self, model: str, seq: int):
+    def _kind(self, run: Run) -> str:
+        """What of the cluster the facts depend on besides the run (its GPU kind)."""
+        return self.cluster_name
+
+    def model_for(self, run: Run):
+        """(model on the meta device, example inputs of 8 sequences) of ``run``'s model."""
+        module = models.build(run.model, device="meta")
+        return module, models.example_inputs(run.model, batch=8, seq=run.seq, device="meta")
+
+    def _step(self, run: Run):
         import torch
 
         from autopar.search.step import captured_step
 
-        key = (model, seq)
+        key = (run.model, run.seq)
         if key not in self._captured:
             if self.progress:
-                self.progress(f"capturing {model} (seq {seq}) on fake tensors ...")
-            module = models.build(model, device="meta")
-            inputs = models.example_inputs(model, batch=8, seq=seq, device="meta")
+                self.progress(f"capturing {run.model} (seq {run.seq}) on fake tensors ...")
+            module, inputs = self.model_for(run)
             self._captured[key] = captured_step(module, inputs, None, torch.bfloat16)
         return self._captured[key]
 
@@ -255,7 +268,7 @@ class RunPricer:
         tps, mem, cap = np.zeros(n), np.full(n, np.inf), np.zeros(n)
         valid = np.zeros(n, dtype=bool)
         for i, run in enumerate(runs):
-            cluster = self.cluster(run.nodes, params)
+            cluster = self.run_cluster(run, params)
             cap[i] = cluster.gpu.memory_bytes
             try:
                 facts = self.facts(run)

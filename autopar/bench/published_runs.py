@@ -1,0 +1,248 @@
+"""Read the published-runs calibration file (``shared/reference/published-runs-calibration.csv``).
+
+One row is one run another group published: model shape, GPU kind and count, layout, batch,
+recompute, precision and one measured number (``published-runs.md`` beside the file). Each row
+becomes a `PublishedRun` (an `autopar.calibrate.runs.Run` that also knows its source, GPU kind,
+model shape and which of its settings the source did not state), or is kept with a reason it
+cannot be priced (`PublishedRun.skip`), or, when the row is malformed, a `RunsError` names the
+row, the column and the fix.
+
+How a row becomes a model and a layout (one rule for every row, none per model or source):
+
+- shape: ``ffn_hidden == 4 * hidden`` with as many kv heads as heads is a GPT-style block
+  (fused qkv, LayerNorm, GELU MLP, learned positions, tied embeddings: the zoo's "gpt2"
+  family); anything else a Llama-style block (RMSNorm, SwiGLU of ``ffn_hidden``, GQA, untied).
+  A mixture of experts (a non-numeric ffn, ``ep > 1``) is not priced;
+- measured throughput in tokens/s/GPU: as published; from ``hardware_tflops_per_gpu`` through
+  the source's own FLOP count (Narayanan et al. eq. 3, which includes the recompute forward:
+  tok/s/GPU = X / (96 l h^2 (1 + s/6h + V/16lh))); from ``step_time_s`` as
+  global batch * seq / step / GPUs;
+- ZeRO: FSDP FULL_SHARD and "3" are ZeRO-3, SHARD_GRAD_OP ZeRO-2, "1 (...)" ZeRO-1, "0" none;
+- precision: fp8, "fp8 (...)" and mxfp8 price every weight matmul in FP8, the rest bf16;
+- not stated (empty): micro-batch 1, ZeRO-1 (Megatron's distributed optimizer, the recipes'
+  default), no recompute, SP where tp > 1, a pipeline's interleave depth 1; such a run is
+  marked (`PublishedRun.assumed`) and scored apart from the runs stated in full. A run whose
+  degrees, vocabulary or model-parallel split are not stated is skipped.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autopar.calibrate.runs import Run, RunsError
+from autopar.models.configs import ModelConfig
+from cost.layout import Layout, LayoutError
+
+COLUMNS = ("source", "model_name", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
+           "seq_len", "gpu", "num_gpus", "gpus_per_node", "dp", "tp", "pp", "virtual_pp", "cp",
+           "ep", "zero_or_fsdp", "sp", "microbatch", "global_batch_sequences", "recompute",
+           "precision", "measured_metric", "measured_value")
+METRICS = ("tokens_per_s_per_gpu", "hardware_tflops_per_gpu", "step_time_s")
+# the GPU column's words -> the shipped cluster profile of that kind (cost.cluster.PROFILES)
+GPU_PROFILES = (("a100-40gb", "a100-40gb"), ("a100-80gb", "a100-80gb"), ("h100", "h100"),
+                ("h200", "h200"), ("b200", "b200"))
+
+
+@dataclass(frozen=True)
+class PublishedRun(Run):
+    """A `Run` of the published file. ``model`` is a key of the run's model shape (`config`);
+    ``name`` the source's model name; ``profile`` the cluster profile of its GPU kind;
+    ``assumed``: the settings the source did not state and the reader assumed."""
+
+    source: str = ""
+    name: str = ""
+    profile: str = ""
+    config: ModelConfig | None = None
+    assumed: tuple[str, ...] = field(default=())
+    metric: str = ""
+
+    @property
+    def cell(self) -> tuple[str, str, str]:
+        """(source, model, GPU kind): the runs ranked together (`group`)."""
+        return (self.source, self.name, self.profile)
+
+
+def short_source(text: str) -> str:
+    """A source's short name: its first words before a parenthesis, comma or year."""
+    words = re.split(r"[(,]| 20\d\d", text, maxsplit=1)[0].split()
+    return " ".join(words[:3] if words[1:2] == ["et"] else words[:2]) or text[:30]
+
+
+def read_published(path: str | os.PathLike) -> list[PublishedRun]:
+    """Every row of the file as a `PublishedRun` (skipped ones with their reason);
+    `RunsError` naming the first malformed row, its column and the fix."""
+    source = Path(path)
+    if not source.exists():
+        raise RunsError(f"no published-runs file at {source}; pass the CSV described in "
+                        "shared/reference/published-runs.md")
+    with source.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header = [h.strip() for h in reader.fieldnames or []]
+        missing = [c for c in COLUMNS if c not in header]
+        if missing:
+            raise RunsError(f"{source}: the header lacks {', '.join(missing)}; the published-runs "
+                            f"reader needs {', '.join(COLUMNS)}")
+        runs = [parse_row(f"{source}, row {i}", i, {k.strip(): (v or "").strip()
+                                                   for k, v in row.items() if k})
+                for i, row in enumerate(reader, start=2)]
+    if not runs:
+        raise RunsError(f"{source} holds no runs; add one row per published run")
+    return runs
+
+
+def _int(where: str, row: dict, col: str, default: int | None = None) -> int | None:
+    text = row[col]
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise RunsError(f"{where}: {col}={text!r} is not a number; write a whole number or leave "
+                        "it empty where the source does not state it") from None
+    if value != int(value) or value < 0:
+        raise RunsError(f"{where}: {col}={text!r} must be a whole number >= 0")
+    return int(value)
+
+
+def _profile(where: str, gpu: str) -> str:
+    key = gpu.lower().replace(" ", "")
+    for word, profile in GPU_PROFILES:
+        if word in key:
+            return profile
+    raise RunsError(f"{where}: gpu={gpu!r} names no GPU kind with a shipped profile; write one "
+                    f"of {', '.join(w.upper() for w, _ in GPU_PROFILES)} in the gpu column")
+
+
+def _zero(where: str, text: str) -> tuple[int, bool]:
+    """(ZeRO stage, assumed)."""
+    low = text.lower()
+    if not low:
+        return 1, True
+    if "shard_grad_op" in low:
+        return 2, False
+    if "fsdp" in low or low.startswith("3"):
+        return 3, False
+    if low[0] in "012":
+        return int(low[0]), False
+    raise RunsError(f"{where}: zero_or_fsdp={text!r} is not understood; write 0, 1, 2, 3, "
+                    "'fsdp (FULL_SHARD)' or 'fsdp (SHARD_GRAD_OP)'")
+
+
+def _measured(where: str, row: dict, seq: int, gpus: int, gbs: int, cfg: ModelConfig) -> float:
+    metric = row["measured_metric"]
+    if metric not in METRICS:
+        raise RunsError(f"{where}: measured_metric={metric!r} is unknown; use one of {METRICS}")
+    try:
+        value = float(row["measured_value"])
+    except ValueError:
+        raise RunsError(f"{where}: measured_value={row['measured_value']!r} is not a number"
+                        ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise RunsError(f"{where}: measured_value={value:g} must be > 0")
+    if metric == "tokens_per_s_per_gpu":
+        return value
+    if metric == "step_time_s":
+        return gbs * seq / value / gpus
+    h, L, V = cfg.hidden, cfg.n_layers, cfg.vocab
+    return value * 1e12 / (96 * L * h * h * (1 + seq / (6 * h) + V / (16 * L * h)))
+
+
+def _config(key: str, row: dict, ints: dict) -> ModelConfig | str:
+    """The zoo config of the row's shape, or the reason it cannot be priced."""
+    h, heads, kv, ffn = ints["hidden"], ints["heads"], ints["kv_heads"], ints["ffn_hidden"]
+    if ffn is None or ints["ep"] > 1:
+        return "a mixture of experts: expert routing and shapes are not priced by this bench"
+    if ints["vocab"] is None:
+        return "vocabulary not stated: the logits' size is unknown"
+    gpt = ffn == 4 * h and kv == heads
+    if ffn == 4 * h and not gpt:
+        return "a non-gated 4h MLP with grouped-query attention: no zoo block has both"
+    common = dict(n_layers=ints["layers"], hidden=h, n_heads=heads, n_kv_heads=kv, ffn=ffn,
+                  vocab=ints["vocab"], max_seq=ints["seq_len"])
+    if gpt:
+        return ModelConfig(key, family="gpt2", norm="layernorm", tied=True, **common)
+    return ModelConfig(key, family="llama", norm="rmsnorm", tied=False, rope_theta=500000.0,
+                       **common)
+
+
+def parse_row(where: str, line: int, row: dict) -> PublishedRun:
+    """One row (see the module docstring)."""
+    ints: dict[str, int | None] = {}
+    variant = ""  # an attention the zoo has no block for ("128 (MLA)")
+    for col in ("heads", "kv_heads"):
+        m = re.fullmatch(r"(\d+)\s*\((.+)\)", row[col])
+        if m:
+            variant = f"{col}={row[col]!r}: {m.group(2)} attention is not priced by this bench"
+            row = {**row, col: m.group(1)}
+        elif not row[col] and variant:
+            row = {**row, col: row["heads"]}
+    for col in ("layers", "hidden", "heads", "kv_heads", "seq_len", "num_gpus", "gpus_per_node",
+                "global_batch_sequences"):
+        ints[col] = _int(where, row, col)
+        if not ints[col]:
+            raise RunsError(f"{where}: {col} is empty or 0; every run needs its {col}")
+    ffn = row["ffn_hidden"]
+    ints["ffn_hidden"] = _int(where, row, "ffn_hidden") if ffn.isdigit() or not ffn else None
+    ints["vocab"] = _int(where, row, "vocab")
+    for col in ("dp", "tp", "pp", "cp", "ep"):
+        ints[col] = _int(where, row, col, default=None if col in ("dp", "tp", "pp") else 1)
+    assumed: list[str] = []
+    vpp = row["virtual_pp"]
+    virtual = int(vpp) if vpp.isdigit() else 1
+    if vpp and not vpp.isdigit():
+        assumed.append("interleave depth")
+    profile = _profile(where, row["gpu"])
+    zero, zero_assumed = _zero(where, row["zero_or_fsdp"])
+    if zero_assumed:
+        assumed.append("zero")
+    mb = _int(where, row, "microbatch")
+    if mb is None:
+        mb = 1
+        assumed.append("microbatch")
+    rec = row["recompute"].lower()
+    if not rec:
+        assumed.append("recompute")
+    if rec and not rec.startswith(("none", "full")):
+        raise RunsError(f"{where}: recompute={row['recompute']!r}; write none or full")
+    sp_text = row["sp"]
+    if not sp_text:
+        assumed.append("sp")
+    prec = row["precision"].lower()
+    fp8 = "fp8" in prec
+    name, seq, gpus, gbs = row["model_name"], ints["seq_len"], ints["num_gpus"], \
+        ints["global_batch_sequences"]
+    key = (f"{name} L{ints['layers']} h{ints['hidden']} f{ints['ffn_hidden']} "
+           f"a{ints['heads']}/{ints['kv_heads']} v{ints['vocab']}")
+    cfg = variant or _config(key, row, ints)
+    skip = cfg if isinstance(cfg, str) else ""
+    per_node = ints["gpus_per_node"]
+    dp, tp, pp, cp = (ints[c] for c in ("dp", "tp", "pp", "cp"))
+    if not skip and None in (dp, tp, pp):
+        skip = "degrees (dp, tp, pp) not all stated: the model-parallel split is unknown"
+    if not skip and dp * tp * pp * cp != gpus:
+        skip = f"dp*tp*pp*cp = {dp * tp * pp * cp} but num_gpus = {gpus}"
+    if not skip and (gpus % per_node or gbs % (dp * mb)):
+        skip = (f"{gpus} GPUs in nodes of {per_node}, or a global batch of {gbs} sequences not "
+                f"a multiple of dp*microbatch = {dp * mb}")
+    measured = _measured(where, row, seq, gpus, gbs, cfg) if not isinstance(cfg, str) else None
+    layout = Layout(dp=dp or 1, tp=tp or 1, pp=pp or 1)
+    if not skip:
+        try:
+            layout = Layout(
+                dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, sp=bool(int(sp_text)) if sp_text else tp > 1,
+                microbatch=mb, grad_accum=gbs // (dp * mb),
+                schedule="interleaved-1f1b" if virtual > 1 else "1f1b", virtual_stages=virtual,
+                recompute="full" if rec.startswith("full") else "none", precision="bf16",
+                fp8="all" if fp8 else "none", fp32_grad_accum=True)
+        except LayoutError as e:
+            skip = f"the layout cannot be expressed: {e}"
+    return PublishedRun(row=line, model=key, nodes=max(1, gpus // per_node), layout=layout,
+                        seq=seq, tok_s_gpu=measured, gpu_mem_gb=None, skip=skip,
+                        source=short_source(row["source"]), name=name, profile=profile,
+                        config=None if isinstance(cfg, str) else cfg, assumed=tuple(assumed),
+                        metric=row["measured_metric"])
