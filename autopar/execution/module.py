@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import InputError
 from autopar.execution.evaluation import EvalGraphs, evaluate, refuse_pipeline
@@ -42,10 +43,12 @@ class ParallelModule(nn.Module):
 
     RNG: dropout draws its masks from each rank's own default generator (the process's
     ``torch.manual_seed``). Under data parallelism each rank draws the masks of its own slice
-    of the batch, so the step is one of many a single device could take, not the one it takes
-    with the same seed. Under tensor parallelism the ranks of a TP group hold replicated
-    activations and draw masks for them independently: seed every rank alike
-    (``torch.manual_seed(s)`` on each) so that their masks agree.
+    of the batch: a valid step, not the one a single device takes with the same seed. Under
+    tensor parallelism no generator is kept in step across the TP group: seed every rank alike
+    (``torch.manual_seed(s)`` on each), or the TP ranks draw different masks for a replicated
+    activation and silently disagree; seeded alike, a dropout on a replicated activation is one
+    device's, while one on a TP-sharded activation draws the same mask for every shard
+    (correlated halves, not one device's mask). ``pm.eval()`` draws none.
     """
 
     batch_check_calls: int | None = None
@@ -258,7 +261,7 @@ def _dp_rank(mesh: DeviceMesh) -> int:
     return mesh.get_local_rank("dp")
 
 
-_GUARDED: weakref.WeakSet = weakref.WeakSet()
+_GUARDED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> parameter
 _HOOK: list = []
 
 
@@ -269,15 +272,15 @@ def guard_original(model: nn.Module) -> None:
     optimizer would silently train nothing. Training the original on one device (its own
     backward fills its gradients) is left alone."""
     for p in model.parameters():
-        _GUARDED.add(p)
+        _GUARDED[id(p)] = p
     if not _HOOK:
-        _HOOK.append(torch.optim.optimizer.register_optimizer_step_pre_hook(_refuse_original))
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_original))
 
 
 def _refuse_original(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """The optimizer step pre-hook of `guard_original`."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(p in _GUARDED for p in params) or any(p.grad is not None for p in params):
+    if not any(_GUARDED.get(id(p)) is p for p in params) or any(p.grad is not None for p in params):
         return
     raise InputError(
         f"{type(optimizer).__name__} steps the parameters of the model passed to "
