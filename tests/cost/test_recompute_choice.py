@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -98,7 +98,8 @@ def test_groups_are_tied_across_blocks_and_full_is_selective_plus_all(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 12 subsets of the heavy groups per model: each composes the columns and runs the pass's marking
+@settings(derandomize=True, max_examples=12, deadline=None)
 @given(data=st.data())
 def test_partial_choice_composes_to_what_the_pass_runs(name, data):
     graph, analysis, facts, groups = _step(name)

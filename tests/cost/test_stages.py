@@ -27,7 +27,8 @@ def _brute_force(cost, pp, before, after):
     return best
 
 
-@settings(max_examples=150, deadline=None)
+# 150 examples: the solver and its brute force take microseconds on up to 7 blocks
+@settings(derandomize=True, max_examples=150, deadline=None)
 @given(st.lists(st.floats(0.1, 10.0), min_size=1, max_size=7), st.data(),
        st.floats(0.0, 20.0), st.floats(0.0, 20.0))
 def test_balanced_cuts_equal_brute_force(cost, data, before, after):
@@ -54,7 +55,7 @@ def _brute_force_memory(cost, pp, before, after, memory):
     return best
 
 
-@settings(max_examples=150, deadline=None)
+@settings(derandomize=True, max_examples=150, deadline=None)
 @given(st.lists(st.floats(0.1, 10.0), min_size=2, max_size=7), st.data(), st.floats(0.0, 5.0),
        st.floats(0.0, 20.0), st.floats(1.0, 40.0))
 def test_cuts_under_memory_equal_brute_force(cost, data, before, after, budget):
