@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +58,9 @@ from cost.plan_types import GraphSignature
 aten = torch.ops.aten
 
 _MEAN, _SUM = 1, 2  # torch's Reduction::Mean, Reduction::Sum
-DENOMINATOR = "denominator"  # kind of the graph inputs `rewrite_denominators` adds
+# kind of the graph inputs `rewrite_denominators` adds (runtime.executor feeds them; the same
+# string there, as runtime may not import passes)
+DENOMINATOR = "denominator"
 # ops that keep a value's content (a view, a copy, a dtype change)
 _SAME = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
          aten.clone.default, aten.detach.default, aten.contiguous.default, aten._to_copy.default,
@@ -534,18 +535,3 @@ def _nll_over(graph: fx.Graph, nll: fx.Node, holder: fx.Node) -> None:
         divided.meta["val"] = nll.meta["val"][0]
     for user in users:  # getitem 0: the loss; getitem 1: total_weight, read by the backward
         user.replace_all_uses_with(divided if user.args[1] == 0 else holder)
-
-
-def seed_weights(reduction: LossReduction | None, counts: list[torch.Tensor] | None,
-                 total: torch.Tensor | None, dp: int, m: int) -> list[float]:
-    """The loss's seed gradient per micro-batch, d w_k (see the module docstring)."""
-    if reduction is None or reduction.mode in ("mean", "global"):
-        return [1.0 / m] * m
-    if reduction.mode == "sum":
-        return [float(dp)] * m
-    t = float(total[0])
-    # no valid token in the whole step: one device's mean is 0/0 = nan, and so is this
-    return [dp * float(c[0]) / t if t else float("nan") for c in counts]
-
-
-Feeds = Callable[[tuple, dict], torch.Tensor]

@@ -9,10 +9,13 @@ shards and the gradients are wrapped back with the same placements.
 Gradient accumulation: with ``micro_batches`` m > 1 the graph was captured for one micro-batch
 and runs m times on the rank's batch, one slice after another, so only one micro-batch's
 activations live at a time. The loss's seed gradient is 1/m, so the summed gradients are those
-of the mean loss over the rank's batch. Where the loss is a mean over valid tokens (labels
--100 ignored) the seed is instead d * n_k / N, micro-batch k's share of the step's N valid
-tokens over all d data-parallel ranks (`passes.token_count`; N is summed with one all-reduce),
-so that padding spread unevenly trains as on one device. The graph returns its loss weighted
+of the mean loss over the rank's batch. Where the loss divides by a batch sum (a mean over
+valid tokens, class weights, a mask's sum: `passes.loss_reduction`) the seeds and the
+rewritten normalisers make the pieces add up to the one-device loss: the counter computes
+each micro-batch's normalisers before the step, summed over the micro-batches and all-reduced
+over the d data-parallel ranks (one all-reduce per step); a single normaliser N weights
+micro-batch k by its share, seed d * n_k / N, several are fed to the graph as N / (d m)
+(`LossReduction.mode`). The graph returns its loss weighted
 by the seed (`weight_loss_by_seed`), and the reported loss is the sum of the m weighted losses:
 the mean of the step, either way. With an
 ``accumulate_gm`` (DP and ZeRO-1: gradients are whole on every rank anyway) the first m-1
@@ -33,7 +36,7 @@ the batch (as DDP without SyncBatchNorm does).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +45,9 @@ from torch.distributed.tensor import DTensor
 
 from cost.plan_types import LOSS
 from runtime.pipeline import PipelinePlan, gather_rows, reduce_data_parallel, run_pipeline_step
+
+# the loss's normalisers over the whole step (`passes.loss_reduction.DENOMINATOR`)
+DENOMINATOR = "denominator"
 
 
 @dataclass
@@ -56,10 +62,11 @@ class RankGraph:
     micro_batches: int = 1  # gradient accumulation: the graph runs once per micro-batch
     accumulate_gm: fx.GraphModule | None = None  # micro-batches before the last, if they skip the sync
     buffer_index: dict[str, int] = field(default_factory=dict)  # buffer -> output of its new value
-    # a loss that is a mean over valid tokens: a micro-batch's user inputs -> its count of them
-    # (`passes.token_count.TokenCounter`); None: every micro-batch weighs the same
-    token_counter: Callable[[tuple], int] | None = None
-    dp: int = 1  # data-parallel ranks the step's valid tokens are summed over
+    # how the loss's batch reduction splits exactly (`passes.loss_reduction.LossReduction`: its
+    # mode and counter); None: every micro-batch weighs the same (a plain mean, or
+    # ``loss_reduction="mean_per_rank"``)
+    reduction: object = None
+    dp: int = 1  # data-parallel ranks the step's normalisers are summed over
     dp_group: object = None  # their process group (torch.distributed.ProcessGroup)
     # a pipeline stage's step (runtime/pipeline.py): ``gm`` is the whole rank graph, kept for
     # reading; the stage's own graphs run under the plan's schedule
@@ -77,8 +84,8 @@ class _JointStep(torch.autograd.Function):
         # the seed in the loss's dtype (a bf16 model's loss is bf16)
         dtype = next((h.meta["val"].dtype for h, (kind, _) in zip(holders, rank_graph.inputs)
                       if kind == "tangent"), torch.float32)
-        seeds = [torch.full((), s, dtype=dtype, device=device)
-                 for s in _seeds(rank_graph, user_inputs, device)]
+        weights, denominators = _seeds(rank_graph, user_inputs, buffers, device)
+        seeds = [torch.full((), s, dtype=dtype, device=device) for s in weights]
         loss = None
         sums: dict[str, torch.Tensor] = {}
         for micro in range(m):
@@ -95,6 +102,8 @@ class _JointStep(torch.autograd.Function):
                     args.append(user_inputs[int(name)].chunk(m)[micro])
                 elif kind == "tangent":  # the loss's seed gradient
                     args.append(seeds[micro])
+                elif kind == DENOMINATOR:  # the loss's normaliser over the whole step, / (d m)
+                    args.append(denominators[int(name)].to(holders[len(args)].meta["val"].dtype))
                 elif kind == "zero_tangent":  # another output's: returned, not differentiated
                     val = holders[len(args)].meta["val"]
                     args.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=device))
@@ -113,14 +122,16 @@ class _JointStep(torch.autograd.Function):
                     sums[name] = g if name not in sums else sums[name] + g
             part = out[rank_graph.loss_index].detach()  # weighted by its seed
             loss = part if loss is None else loss + part
-        ctx.grads = _as_parameters(sums, names, params)
+        _save_grads(ctx, _as_parameters(sums, names, params))
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # saved for backward: autograd frees them after it unless retain_graph=True, and a
+        # second backward then hands them out again (accumulating, as eager does)
+        grads = [None if missing else g for g, missing in zip(ctx.saved_tensors, ctx.missing)]
         scale = grad_loss.item()  # the loss is a scalar: 1 for a plain loss.backward()
-        scaled = ctx.grads if scale == 1.0 else [None if g is None else g * scale for g in ctx.grads]
-        ctx.grads = None  # free them: one backward per step
+        scaled = grads if scale == 1.0 else [None if g is None else g * scale for g in grads]
         return (None, None, None, None, *scaled)
 
 
@@ -141,12 +152,14 @@ class _PipelineStep(torch.autograd.Function):
         for name, p in zip(names, params):
             t = p.to_local() if isinstance(p, DTensor) else p
             local[name] = gather_rows(t, dp, group) if name in sharded else t
-        seeds = _seeds(rank_graph, user_inputs, user_inputs[0].device)
+        seeds, denominators = _seeds(rank_graph, user_inputs, buffers, user_inputs[0].device)
+        if denominators is not None:  # parallelize refuses this layout; a guard
+            raise NotImplementedError("a pipeline stage cannot feed the loss's normalisers")
         loss, grads = run_pipeline_step(plan, local, buffers, user_inputs, seeds)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
             loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank)
-        ctx.grads = _as_parameters(grads, names, params)
+        _save_grads(ctx, _as_parameters(grads, names, params))
         return loss
 
     backward = staticmethod(_JointStep.backward)
@@ -165,19 +178,42 @@ def _as_parameters(grads: dict[str, torch.Tensor], names: list[str], params) -> 
     return out
 
 
-def _seeds(rank_graph: RankGraph, user_inputs: tuple, device) -> list[float]:
-    """The loss's seed gradient per micro-batch: d * n_k / N with a token counter, else 1/m."""
-    m = rank_graph.micro_batches
-    if rank_graph.token_counter is None:
+def _save_grads(ctx, grads: list) -> None:
+    """Keep the step's gradients for ``backward`` (None where a parameter has none)."""
+    ctx.missing = [g is None for g in grads]
+    ctx.save_for_backward(*grads)
+
+
+def seed_weights(reduction, counts: list[torch.Tensor] | None, total: torch.Tensor | None,
+                 dp: int, m: int) -> list[float]:
+    """The loss's seed gradient per micro-batch, d w_k, for a `LossReduction` (the
+    data-parallel pass divides it by d again; the weights w_k of all pieces add up to 1 for a
+    mean): "mean", "global" and None: w_k = 1 / (d m); "sum": w_k = 1; "ratio": w_k = n_k / N,
+    the micro-batch's share of the step's normaliser N (counts[k][0], total[0])."""
+    mode = getattr(reduction, "mode", None)
+    if mode in (None, "mean", "global"):
         return [1.0 / m] * m
-    counts = [rank_graph.token_counter(tuple(x.chunk(m)[k] for x in user_inputs)) for k in range(m)]
-    total = sum(counts)
-    if rank_graph.dp > 1:
-        t = torch.tensor([total], dtype=torch.int64, device=device)
-        torch.distributed.all_reduce(t, group=rank_graph.dp_group)
-        total = int(t.item())
+    if mode == "sum":
+        return [float(dp)] * m
+    t = float(total[0])
     # no valid token in the whole step: one device's mean is 0/0 = nan, and so is this
-    return [rank_graph.dp * c / total if total else float("nan") for c in counts]
+    return [dp * float(c[0]) / t if t else float("nan") for c in counts]
+
+
+def _seeds(rank_graph: RankGraph, user_inputs: tuple, buffers: dict,
+           device) -> tuple[list[float], torch.Tensor | None]:
+    """The loss's seed gradient per micro-batch (`passes.loss_reduction.seed_weights`) and, for
+    a "global" reduction, the normalisers the graph reads: each summed over the step / (d m)."""
+    m, reduction = rank_graph.micro_batches, rank_graph.reduction
+    if getattr(reduction, "counter", None) is None:
+        return seed_weights(reduction, None, None, rank_graph.dp, m), None
+    counts = [reduction.counter(tuple(x.chunk(m)[k] for x in user_inputs), buffers) for k in range(m)]
+    total = torch.stack(counts).sum(0).to(device)
+    if rank_graph.dp > 1:  # float64: counts and class-weight sums add up exactly
+        torch.distributed.all_reduce(total, group=rank_graph.dp_group)
+    total = total.cpu()
+    seeds = seed_weights(reduction, counts, total, rank_graph.dp, m)
+    return seeds, (total / (rank_graph.dp * m) if reduction.mode == "global" else None)
 
 
 def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], buffers: dict,

@@ -73,16 +73,52 @@ from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
+from passes.loss_reduction import LossReduction, analyze_loss, rewrite_denominators
 from passes.pipeline_split import PipelineSplitError, split_backward, split_pipeline
 from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
 from passes.tensor_parallel import apply_tensor_parallel
-from passes.token_count import token_counter, weight_loss_by_seed
+from passes.token_count import weight_loss_by_seed
 from runtime.executor import RankGraph
 from runtime.pipeline import PipelinePlan
 
 
 class UnsupportedLayoutError(AutoparError):
     """The plan needs a parallelism the runtime does not execute yet."""
+
+
+class LossReductionError(InputError):
+    """The loss's reduction over the batch cannot be proven to split exactly."""
+
+
+LOSS_REDUCTIONS = ("exact", "mean_per_rank")
+
+
+def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> LossReduction | None:
+    """How the loss splits over the layout's pieces of the batch; None where nothing splits it
+    (dp = 1 and grad_accum = 1) or the user accepted per-piece means ("mean_per_rank").
+    Raises `LossReductionError` for a loss not proven linear in the batch, and
+    `UnsupportedLayoutError` where its normalisers cannot be fed (TP, pipelines)."""
+    if mode == "mean_per_rank" or (lay.dp == 1 and lay.grad_accum == 1):
+        return None
+    reduction = analyze_loss(gm, signature)
+    if reduction.mode == "unproven":
+        op = reduction.node.target if reduction.node is not None else "the loss"
+        raise LossReductionError(
+            f"layout {lay.short()} splits the batch over dp={lay.dp} x grad_accum={lay.grad_accum} "
+            f"pieces, but the loss's reduction over the batch is not provably a linear combination "
+            f"of batch sums and ratios of them: {reduction.why} (op {op}, "
+            f"{reduction.where()}), so the pieces would not add up to the one-device loss.\n  fix: "
+            "write the loss as a sum / mean over samples, or a sum divided by a count or weight sum "
+            "computed from the inputs only; or pass autopar.parallelize(..., "
+            "loss_reduction=\"mean_per_rank\") to accept DDP's per-rank averaging knowingly; or use "
+            "a layout with dp=1 and grad_accum=1")
+    if reduction.mode == "global" and (lay.tp > 1 or lay.pp > 1):
+        raise UnsupportedLayoutError(
+            f"layout {lay.short()}: the loss divides by {len(reduction.denominators)} different batch "
+            "sums (or mixes a ratio with a mean); feeding their step-wide values is not executed under "
+            "tensor parallelism or pipelines yet: use tp=1 and pp=1, a loss with one normaliser "
+            "(a plain token mean), or loss_reduction=\"mean_per_rank\"")
+    return reduction
 
 
 def parallelize(
@@ -94,6 +130,7 @@ def parallelize(
     layout: Layout | None = None,
     local_batch: bool = False,
     strict: bool = False,
+    loss_reduction: str = "exact",
 ) -> ParallelModule:
     """Parallelise ``model``'s training step over ``mesh`` (a DeviceMesh or a world size).
 
@@ -104,7 +141,14 @@ def parallelize(
     data-parallel slice instead of the global batch. ``strict``: refuse any op that would fall
     back to replication. Must be called on every rank of an initialised process group; every
     rank runs rank 0's plan.
+    ``loss_reduction``: "exact" (default): where the layout splits the batch (dp > 1 or
+    grad_accum > 1) the loss must be proven a linear combination of batch sums and of ratios
+    of batch sums (`passes.loss_reduction`), split so that the step trains as on one device,
+    else `LossReductionError`; "mean_per_rank": every rank and micro-batch averages its own
+    loss and the pieces are averaged, DDP's semantics, accepted knowingly.
     """
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise InputError(f"loss_reduction={loss_reduction!r}: use one of {', '.join(map(repr, LOSS_REDUCTIONS))}")
     if not dist.is_initialized():
         raise InputError("parallelize needs an initialised process group: launch with torchrun "
                          "(or torch.distributed.init_process_group) on every rank")
@@ -146,8 +190,7 @@ def parallelize(
                            {o.name: o.index for o in graph.outputs if o.kind == "grad"},
                            next(o.index for o in graph.outputs if o.kind == "loss"),
                            {o.name: o.index for o in graph.outputs if o.kind == "buffer"})
-    # a mean over valid tokens: weight each micro-batch (and rank) by its share of them
-    counter = token_counter(graph.gm, signature)
+    reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction)
     gm, shapes = graph.gm, dict(graph.param_shapes)
     decisions = chosen.decisions
     # each node's block and the heavy groups a partial choice names, read before any pass
@@ -173,6 +216,8 @@ def parallelize(
             raise UnsupportedLayoutError(
                 f"the plan recomputes {sorted(unknown)}, which this rank's graph does not have "
                 f"(its groups: {sorted(set(groups.values()))}); re-plan on this model")
+    if reduction is not None and reduction.mode == "global":  # before recompute copies a normaliser
+        signature = rewrite_denominators(gm, signature, reduction)
     if decisions.fp8:  # before TP: the TP pass shards the casts and reduces sharded amaxes
         apply_fp8(gm, signature, decisions.fp8, FP8_RECIPES[lay.fp8_recipe])
     # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
@@ -239,7 +284,7 @@ def parallelize(
         micro_batches=m,
         accumulate_gm=accumulate_gm,
         buffer_index=signature.buffer_index,
-        token_counter=counter,
+        reduction=reduction,
         dp=lay.dp,
         dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
         pipeline=pipeline,
