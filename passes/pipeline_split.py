@@ -261,12 +261,12 @@ def _stage_graphs(gm: fx.GraphModule, s: int, pp: int, nodes: list[fx.Node], nee
     inputs: list[StageInput] = []
     by_name = {n.name: n for n in nodes}
     for k, v in enumerate(channels[s - 1] if s > 0 else []):
-        env[v] = _placeholder(fg, by_name[v], f"recv_{v}")
+        env[v] = _from_wire(fg, _placeholder(fg, by_name[v], f"recv_{v}"), _order(by_name[v]))
         inputs.append(StageInput("recv", v, k))
     _add_leaves(fg, fwd_nodes, leaf, env, inputs)
     for n in fwd_nodes:
         env[n.name] = fg.node_copy(n, lambda a: env[a.name])
-    sends = [env[v] for v in (channels[s] if s < pp - 1 else [])]
+    sends = [_to_wire(fg, env[v], _order(by_name[v])) for v in (channels[s] if s < pp - 1 else [])]
     fwd_values = set(env)
     saved = [v for v in _read_by(bwd_nodes) if v in fwd_values and leaf.get(v) is None]
     saved_nodes = [env[v] for v in saved]
@@ -279,7 +279,7 @@ def _stage_graphs(gm: fx.GraphModule, s: int, pp: int, nodes: list[fx.Node], nee
     benv: dict[str, fx.Node] = {}
     binputs: list[StageInput] = []
     for j, d in sorted((grad_slots[s] if s < pp - 1 else {}).items()):
-        benv[d] = _placeholder(bg, by_name[d], f"grad_{d}")
+        benv[d] = _from_wire(bg, _placeholder(bg, by_name[d], f"grad_{d}"), _order(by_name[channels[s][j]]))
         binputs.append(StageInput("grad", d, j))
     for k, v in enumerate(saved):
         benv[v] = _placeholder(bg, by_name[v], f"saved_{v}")
@@ -289,7 +289,8 @@ def _stage_graphs(gm: fx.GraphModule, s: int, pp: int, nodes: list[fx.Node], nee
         benv[n.name] = bg.node_copy(n, lambda a: benv[a.name])
     prev = grad_slots[s - 1] if s > 0 else {}
     n_grad_sends = len(channels[s - 1]) if s > 0 else 0
-    grad_sends = [benv[prev[j]] if j in prev else None for j in range(n_grad_sends)]
+    grad_sends = [_to_wire(bg, benv[prev[j]], _order(by_name[channels[s - 1][j]])) if j in prev else None
+                  for j in range(n_grad_sends)]
     names = sorted(grads)
     grad_nodes = []
     for p in names:
@@ -307,6 +308,52 @@ def _stage_graphs(gm: fx.GraphModule, s: int, pp: int, nodes: list[fx.Node], nee
     held = sorted(p for p, r in readers.items() if s in r or (not r and s == 0))
     return StageGraphs(s, forward, inputs, len(sends), len(saved), loss is not None,
                        [name for name, _ in buffers], backward, binputs, n_grad_sends, names, held)
+
+
+def _memory_order(val) -> list[int] | None:
+    """The dims of ``val`` outermost first in memory where ``val`` is a dense tensor laid out
+    in another order than its shape's (a conv's transposed [b, h, s] view of [b, s, h]); None
+    where contiguous."""
+    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return None
+    order = sorted(range(val.ndim), key=lambda d: -val.stride(d))
+    expected = 1
+    for d in reversed(order):
+        if val.shape[d] != 1 and val.stride(d) != expected:
+            return None  # not a permuted dense layout: sent as a contiguous copy
+        expected *= val.shape[d]
+    return order
+
+
+def _order(node: fx.Node) -> list[int] | None:
+    return _memory_order(node.meta.get("val"))
+
+
+def _to_wire(graph: fx.Graph, node: fx.Node, order: list[int] | None) -> fx.Node:
+    """What a stage sends for ``node``: point-to-point sends move contiguous buffers only, so a
+    value laid out in ``order`` travels permuted into that order (a contiguous copy of it)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or (order is None and val.is_contiguous()):
+        return node
+    if order is not None:
+        node = graph.call_function(aten.permute.default, (node, order))
+        node.meta["val"] = val = val.permute(order)
+    copy = graph.call_function(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+    copy.meta["val"] = val.contiguous()
+    return copy
+
+
+def _from_wire(graph: fx.Graph, holder: fx.Node, order: list[int] | None) -> fx.Node:
+    """A received value (``holder``, sent by :func:`_to_wire`) back in its shape and layout:
+    the receiving stage's views were traced on that layout."""
+    if order is None:
+        return holder
+    val = holder.meta["val"]
+    holder.meta["val"] = val.permute(order).contiguous()
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    node = graph.call_function(aten.permute.default, (holder, inverse))
+    node.meta["val"] = val
+    return node
 
 
 def _read_by(graph_nodes: list[fx.Node]) -> list[str]:

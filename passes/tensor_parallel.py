@@ -218,9 +218,10 @@ class _Interpreter:
                          and a.placements[0] == Replicate() else a for i, a in enumerate(args))
         if str(node.target) in self.replicated_ops:
             return self._replicated(node, args, kwargs, None)
-        if node.target in _NLL_BACKWARD and _class_sharded(args[1]):
+        if node.target in _NLL_BACKWARD and _class_sharded(args[1]) and not _fused_loss_backward(node):
             return _vocab_nll_backward(node, args)
-        if node.target is aten._log_softmax_backward_data.default and _class_sharded(args[1], args[2]):
+        if node.target is aten._log_softmax_backward_data.default and _class_sharded(args[1], args[2]) \
+                and not _fused_loss_backward(node.args[0]):
             return self._vocab_log_softmax_backward(node, args)
         if is_grouped_forward(node) or is_grouped_backward(node):
             return self._grouped(node, args, kwargs)
@@ -417,6 +418,18 @@ def _class_sharded(x, dim: int | None = None) -> bool:
         return False
     dim = (1 if x.ndim >= 2 else 0) if dim is None else dim % x.ndim
     return isinstance(x.placements[0], Shard) and x.placements[0].dim == dim
+
+
+def _fused_loss_backward(nll: fx.Node) -> bool:
+    """``nll`` is an ``nll_loss`` backward whose gradient goes only to the backward of the
+    log-softmax it reads: DTensor's ``loss_parallel`` fuses the two (Megatron's parallel
+    cross-entropy, dx = (softmax - onehot) * g, no communication). Any other consumer of the
+    log-probabilities (or of their gradient) takes the exact general path."""
+    if not isinstance(nll, fx.Node) or nll.target not in _NLL_BACKWARD or len(nll.users) != 1:
+        return False
+    user = next(iter(nll.users))
+    return user.target is aten._log_softmax_backward_data.default and user.args[0] is nll \
+        and _root(user.args[1]) is _root(nll.args[1])
 
 
 def _vocab_nll_backward(node, args):
