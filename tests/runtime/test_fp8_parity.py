@@ -119,7 +119,7 @@ def _steps_from_one_state(pm, ref, batch, label, make, steps: int = 2) -> list[t
 
 @pytest.mark.parametrize("cases", ["2", pytest.param("2 more", marks=pytest.mark.slow),
                                    pytest.param("4", marks=pytest.mark.slow)])
-def test_parallel_fp8_matches_single_device_fp8(cases):  # "2": ~60 s here
+def test_parallel_fp8_matches_single_device_fp8(cases):
     world = int(cases.split()[0])
     assert spawn(_worker, world, args=(CASES[cases],), timeout_s=900) == [[]] * world
 

@@ -45,6 +45,7 @@ def _worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
     return failures
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 2: 60 s, 4: 210 s here
+# 4 ranks: the same check at the larger world, several times the cost of 2 (slow)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_transformers_models_match_one_device(world):
     assert spawn(_worker, world, args=(LAYOUTS[world],), timeout_s=900) == [[]] * world

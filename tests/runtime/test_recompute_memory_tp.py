@@ -6,7 +6,7 @@ against the plan's activations + buffers, per mode. By default the recompute pas
 block's SP all-gathers from the kept shards instead of keeping their full-sequence outputs
 (passes/recompute.py, Megatron-SP); `Layout(regather=False)` keeps them: more memory (priced
 by `cost.terms.tensor_parallel.kept_sp_gathers`), no gather in the backward.
-Measured (2026-12-02): redo 55.8 MiB (selective) and 30.3 (full), keep 71.8 and 43.3.
+Measured here: redo 55.8 MiB (selective) and 30.3 (full), keep 71.8 and 43.3.
 """
 
 import dataclasses

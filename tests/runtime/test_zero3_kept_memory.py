@@ -5,7 +5,7 @@ peak of live bytes above the inputs of rank 0's graph (`runtime.memory.peak_live
 the weights gathered again for the backward (reshard, FSDP's default) and kept from the
 forward (``Layout(reshard=False)``). Keeping costs about the device's whole weights less the
 two blocks' worth resharding holds at a time; the plan's buffers differ by that. Measured
-(2026-12-02): 29.3 MiB resharded, 35.2 kept (+5.85 MiB; 13 gathers against 7); priced +6.63 MiB
+here: 29.3 MiB resharded, 35.2 kept (+5.85 MiB; 13 gathers against 7); priced +6.63 MiB
 (0.88); the whole model's weights are 12.8 MiB.
 """
 
