@@ -19,7 +19,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-_SKIP = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+_SKIP = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
+         # recurrent modules' views of their own parameters (keyed above): a capture leaves
+         # its traced stand-ins there, which cannot be read outside the trace
+         "_flat_weights", "_flat_weight_refs"}
 _MAX_HASHED_NUMEL = 1 << 20  # hash a tensor attribute's values up to this size, else its identity
 
 
@@ -96,7 +99,7 @@ class _Hasher:
 def _feed(h, value, depth: int = 0) -> None:
     """Feed a stable description of an attribute's value to the hash."""
     if depth > 4:
-        h.update(f"<deep {_identity(value)}>".encode())
+        h.update(f"<deep {_identity(value, h)}>".encode())
     elif value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype,
                                              torch.device, enum.Enum)):
         h.update(repr(value).encode())
@@ -118,7 +121,9 @@ def _feed(h, value, depth: int = 0) -> None:
         _feed(h, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, depth + 1)
     elif isinstance(value, torch.Tensor):
         h.update(f"tensor{tuple(value.shape)}{value.dtype}".encode())
-        real = value.device.type not in ("meta",) and not isinstance(value, FakeTensor)
+        # a tensor subclass (a trace's FakeTensor or FunctionalTensor) has no readable values
+        plain = type(value) in (torch.Tensor, nn.Parameter, nn.Buffer) and not isinstance(value, FakeTensor)
+        real = plain and value.device.type != "meta"
         if real and value.numel() <= _MAX_HASHED_NUMEL:
             h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
                      if value.numel() else b"")
