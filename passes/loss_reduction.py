@@ -67,6 +67,13 @@ _SAME = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, ate
          aten.lift_fresh_copy.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
          aten.unsqueeze.default, aten.expand.default, aten.permute.default, aten.transpose.int,
          aten.t.default}
+# ops that read only their input's shape, dtype and device: a new constant tensor
+_SHAPE_ONLY = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+               aten.new_full.default, aten.zeros_like.default, aten.ones_like.default,
+               aten.empty_like.default, aten.full_like.default, aten.sym_size.int}
+# ops along a dimension whose every output reads every input along it (along the batch: the
+# pieces do not combine)
+_ACROSS = {aten._softmax.default, aten._log_softmax.default}
 _LINEAR_SUM = {aten.sum.default, aten.sum.dim_IntList}
 _LINEAR_MEAN = {aten.mean.default, aten.mean.dim}
 
@@ -78,7 +85,9 @@ class Kind:
     kind: "U" | "B" (per-sample, batch on dim ``dim``) | "E" | "A" | "X" (not provable, ``why``);
     dens: the data-only denominators a value divides by ("B": pending, "A": its ratios);
     data_only: an "E" computed without parameters (a candidate denominator);
-    means: an "A" holding a mean over the batch (not only ratios and uniform terms).
+    means: an "A" holding a mean over the batch (not only ratios and uniform terms);
+    loose: a "B" the model computed with rows other than the batch's (a mixture-of-experts
+    capacity buffer): the model's business, its ops not followed dim by dim.
     """
 
     kind: str
@@ -86,6 +95,7 @@ class Kind:
     dens: tuple = ()
     data_only: bool = False
     means: bool = False
+    loose: bool = False
     why: str = ""
     node: fx.Node | None = None
 
@@ -230,15 +240,21 @@ def _kind(node: fx.Node, kinds: dict, kinds_in: dict, batch: int, has_param: dic
         return _nll(node, kinds, has_param)
     if target in _LINEAR_SUM or target in _LINEAR_MEAN:
         return _reduce(node, kinds[node.args[0]], has_param)
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(a.name == "reduction" for a in schema.arguments):
+        return _elementwise_loss(node, kinds, has_param)
+    if any(k.kind == "B" and k.loose for k in flat) and not any(k.kind in "EA" for k in flat):
+        return _model_op(node, kinds, batch)
     if target in _SAME:
         return _same(node, kinds[node.args[0]])
+    if target in _SHAPE_ONLY:
+        return _U
     if any(k.kind in "EA" for k in flat):
-        return _algebra(node, kinds)
+        return _algebra(node, kinds, batch)
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return _pointwise(node, kinds)
-    schema = getattr(target, "_schema", None)
     if schema is not None and any(a.name in ("dim", "dims") for a in schema.arguments):
-        return _along_dims(node, kinds)
+        return _along_dims(node, kinds, batch)
     return _model_op(node, kinds, batch)
 
 
@@ -247,7 +263,20 @@ def _value(node, kinds) -> Kind | None:
     return kinds[node] if isinstance(node, fx.Node) else None
 
 
-def _algebra(node: fx.Node, kinds: dict) -> Kind:
+def _by_number(node: fx.Node, divisor: float, batch: int, data_only: bool) -> Kind:
+    """A batch sum divided by a number: a mean over the batch written by hand (``sum /
+    x.shape[0]``, the capture bakes the piece's row count in) when the number is a multiple
+    of the piece's rows, else a sum scaled by a constant."""
+    ratio = divisor / batch if batch else 0.0
+    if batch == 1 and abs(divisor) > 1 and float(divisor).is_integer():
+        return _x(node, f"{node.target} divides a batch sum by {divisor}, which may be the batch "
+                  "size or a constant (one row per piece cannot tell them apart): use .mean()")
+    if ratio > 0 and abs(ratio - round(ratio)) < 1e-9:
+        return Kind("A", means=True)
+    return Kind("E", data_only=data_only)
+
+
+def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
     """Linear combinations of batch-reduced values, and B / D with a data-only D."""
     t = node.target
     args = [_value(a, kinds) for a in node.args[:2]]
@@ -271,6 +300,9 @@ def _algebra(node: fx.Node, kinds: dict) -> Kind:
         return k if k.kind == "A" else _x(node, f"{name} adds a constant to a sum over the batch")
     if t in (aten.mul.Tensor, aten.mul.Scalar):
         a, b = args
+        if a is None and b.kind == "E" or b is None and a.kind == "E":
+            number = node.args[0] if a is None else node.args[1]
+            return _by_number(node, 1.0 / number if number else 0.0, batch, (a or b).data_only)
         if a is None or a.kind == "U":
             return b
         if b is None or b.kind == "U":
@@ -279,6 +311,8 @@ def _algebra(node: fx.Node, kinds: dict) -> Kind:
                   "in the batch")
     if t in (aten.div.Tensor, aten.div.Scalar):
         a, b = args
+        if b is None and a.kind == "E":
+            return _by_number(node, node.args[1], batch, a.data_only)
         if b is None or b.kind == "U":
             return a
         if b.kind == "E" and b.data_only and a.kind in "EB" and not a.dens:
@@ -307,6 +341,25 @@ def _reduce(node: fx.Node, k: Kind, has_param: dict) -> Kind:
     if k.dens:
         return Kind("A", dens=k.dens)
     return Kind("E", data_only=not has_param[node])
+
+
+def _elementwise_loss(node: fx.Node, kinds: dict, has_param: dict) -> Kind:
+    """mse_loss, l1_loss, binary_cross_entropy(_with_logits), huber / smooth_l1 ...: per element
+    of its per-sample inputs, then reduced by ``reduction`` (mean: a constant count)."""
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return _x(node, f"{node.target}: a loss op autopar does not know")
+    ins = [kinds[i] for i in node.all_input_nodes]
+    if any(isinstance(k, list) or k.kind not in "BU" or k.dens for k in ins):
+        return _x(node, f"{node.target} of a value reduced over the batch")
+    schema = node.target._schema
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound |= dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
+    reduction = bound.get("reduction", _MEAN)
+    if reduction == _MEAN:
+        return Kind("A", means=True)
+    if reduction == _SUM:
+        return Kind("E", data_only=not has_param[node])
+    return _pointwise(node, kinds)
 
 
 def _nll(node: fx.Node, kinds: dict, has_param: dict) -> list[Kind] | Kind:
@@ -378,11 +431,8 @@ def _aligned(node: fx.Node, kinds: dict, rank: int) -> tuple[int | None, tuple, 
     if len(dims) != 1:
         return None, (), "per-sample inputs disagree on the batch dimension"
     d = dims.pop()
-    for i in node.all_input_nodes:  # a uniform tensor as long as the batch would not split
-        shape = _shape(i) or ()
-        pos = d - (rank - len(shape))
-        if kinds[i] == _U and 0 <= pos < len(shape) and shape[pos] != 1:
-            return None, (), "a constant tensor spans the batch dimension"
+    # a constant as long as the batch (an index over the rows, as a mixture-of-experts
+    # dispatch builds) is each piece's own, as data parallelism assumes of the model
     if len(set(dens)) > 1:
         return None, (), "per-sample values divided by different batch sums"
     return d, tuple(dict.fromkeys(dens)), ""
@@ -398,35 +448,49 @@ def _pointwise(node: fx.Node, kinds: dict) -> Kind:
     return Kind("B", d, dens=dens)
 
 
-def _along_dims(node: fx.Node, kinds: dict) -> Kind:
+def _along_dims(node: fx.Node, kinds: dict, batch: int) -> Kind:
     """An op with a ``dim`` argument (softmax, amax, cumsum, gather, slice, ...): per-sample
     unless it runs along the batch dimension."""
-    k = kinds[node.all_input_nodes[0]]
-    src, out = _shape(node.all_input_nodes[0]), _shape(node)
+    if kinds[node.all_input_nodes[0]] == _U:  # index_add / scatter into a new buffer
+        return _model_op(node, kinds, batch, loose=True)
+    first = next((i for i in node.all_input_nodes if kinds[i] != _U), node.all_input_nodes[0])
+    k = kinds[first]
+    src, out = _shape(first), _shape(node)
     if isinstance(k, list) or k.kind != "B" or src is None:
         return _x(node, f"{node.target} of a value reduced over the batch")
     if out is None:  # several outputs (max.dim, sort): read the first's shape
         val = node.meta.get("val")
         out = tuple(val[0].shape) if isinstance(val, (tuple, list)) else None
     schema = node.target._schema
-    bound = dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound |= dict(zip([a.name for a in schema.arguments], node.args)) | dict(node.kwargs)
     dims = bound.get("dim", bound.get("dims"))
     dims = list(range(len(src))) if dims is None or dims == [] else (
         [dims] if isinstance(dims, int) else list(dims))
     dims = [x % max(len(src), 1) for x in dims]
-    if k.dim in dims:
+    if k.dim == 0 in dims and node.target == aten.cat.default:  # rows added to the batch's
+        return Kind("B", 0, loose=True)
+    if k.dim in dims and (node.target in _ACROSS or out is None or len(out) != len(src)
+                          or out[k.dim] != src[k.dim]):
         return _x(node, f"{node.target} runs along the batch dimension: its pieces do not combine "
                   "into the whole batch's value")
+    # otherwise (a sort, a scatter or gather of the rows, as a mixture-of-experts dispatch
+    # permutes the tokens and puts them back) taken as within each piece, as data parallelism
+    # assumes of the model
     d = k.dim if out is None or len(out) == len(src) else k.dim - sum(x < k.dim for x in dims)
     result = Kind("B", d, dens=k.dens)
     val = node.meta.get("val")
     return [result] * len(val) if isinstance(val, (tuple, list)) else result
 
 
-def _model_op(node: fx.Node, kinds: dict, batch: int) -> Kind | list[Kind]:
+def _model_op(node: fx.Node, kinds: dict, batch: int, loose: bool = False) -> Kind | list[Kind]:
     """Another op (a matmul, an embedding, attention, a norm): per-sample along dim 0 when its
-    per-sample inputs are, as data parallelism assumes of the model."""
+    per-sample inputs are, as data parallelism assumes of the model. A matmul whose right
+    operand is per-sample too (``x @ y.T``, a contrastive loss's similarities) mixes samples."""
     ins = [kinds[i] for i in node.all_input_nodes]
+    rhs = {aten.mm.default: 1, aten.addmm.default: 2, aten.matmul.default: 1}.get(node.target)
+    if rhs is not None and isinstance(node.args[rhs], fx.Node) and kinds[node.args[rhs]] != _U:
+        return _x(node, f"{node.target} multiplies two per-sample values: it mixes the samples")
     if any(isinstance(k, list) or k.kind != "B" and k.kind != "U" for k in ins):
         return _x(node, f"{node.target} of a value reduced over the batch")
     if any(k.kind == "B" and (k.dim != 0 or k.dens) for k in ins):
@@ -435,8 +499,11 @@ def _model_op(node: fx.Node, kinds: dict, batch: int) -> Kind | list[Kind]:
     vals = list(val) if isinstance(val, (tuple, list)) else [val]
     out = []
     for v in vals:
-        ok = isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % batch == 0
-        out.append(Kind("B", 0) if ok else _x(node, f"{node.target} mixes the samples of the batch"))
+        # rows that are not the batch's (a mixture-of-experts capacity buffer) are the model's
+        # own business, as under data parallelism; a scalar is a reduction over everything
+        ok = isinstance(v, torch.Tensor) and v.dim() > 0
+        mixed = loose or (ok and v.shape[0] % batch != 0)
+        out.append(Kind("B", 0, loose=mixed) if ok else _x(node, f"{node.target} reduces over the whole batch"))
     return out if isinstance(val, (tuple, list)) else out[0]
 
 

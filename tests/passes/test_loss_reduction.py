@@ -58,6 +58,10 @@ LOSSES = {
     "sum": lambda z, y, m: F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="sum"),
     "sum_by_param": lambda z, y, m: z.square().sum() / m.proj.weight.abs().sum(),
     "mean": lambda z, y, m: z.square().mean(),
+    "mse": lambda z, y, m: F.mse_loss(z, torch.ones_like(z)) + F.l1_loss(z, z.detach() * 0.5),
+    "hand_mean": lambda z, y, m: z.logsumexp(-1).sum() / z.shape[0] + (z.square().sum() * (1 / z.numel())),
+    "bce_sum": lambda z, y, m: F.binary_cross_entropy_with_logits(z, (y.unsqueeze(-1) > 2).float().expand_as(z),
+                                                                  reduction="sum"),
     # refused: not linear in the batch
     "squared": lambda z, y, m: F.cross_entropy(z.flatten(0, 1), y.flatten()) ** 2,
     "log_mean": lambda z, y, m: torch.log(z.square().mean()),
@@ -68,7 +72,8 @@ LOSSES = {
     "by_model_sum": lambda z, y, m: z.square().sum() / z.abs().sum(),
 }
 MODES = {"ce": "ratio", "masked": "ratio", "weighted": "ratio", "smooth": "global", "two": "global",
-         "ce_plus_mean": "global", "ce_plus_decay": "ratio", "sum": "sum", "sum_by_param": "sum", "mean": "mean"}
+         "ce_plus_mean": "global", "ce_plus_decay": "ratio", "sum": "sum", "sum_by_param": "sum", "mean": "mean",
+         "mse": "mean", "hand_mean": "mean", "bce_sum": "sum"}
 REFUSED = ["squared", "log_mean", "max", "median", "sum_plus_mean", "batch_gram", "by_model_sum"]
 
 
