@@ -146,6 +146,63 @@ def traced_blocks(model: nn.Module, stack: BlockStack) -> Iterator[None]:
         parent._modules[name] = full
 
 
+class _WatchedIndex(int):
+    """A block's index attribute (``self.layer_idx = i``) that records being computed with:
+    compared, hashed, formatted or used in arithmetic (``if self.idx % 4 == 3``). Passed along
+    untouched (HF hands ``layer_idx`` to a KV cache it does not have in training) it records
+    nothing. A torch op reading it bakes the value into the graph, where the comparison of
+    blocks 1 and 2 sees it."""
+
+    read: set[str]
+    name: str
+    value: int
+
+    def __new__(cls, value: int, name: str, read: set[str]):
+        self = super().__new__(cls, value)
+        self.name, self.read, self.value = name, read, value
+        return self
+
+
+def _watching(method: str):
+    base = getattr(int, method)
+
+    def watched(self, *args):
+        self.read.add(self.name)
+        return base(self.value, *args)
+
+    return watched
+
+
+for _method in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__",
+                "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__mod__", "__rmod__",
+                "__floordiv__", "__rfloordiv__", "__truediv__", "__rtruediv__", "__pow__", "__rpow__",
+                "__divmod__", "__rdivmod__", "__and__", "__rand__", "__or__", "__ror__", "__xor__",
+                "__rxor__", "__lshift__", "__rshift__", "__neg__", "__abs__", "__index__", "__int__",
+                "__float__", "__format__", "__str__"):
+    setattr(_WatchedIndex, _method, _watching(_method))
+
+
+@contextlib.contextmanager
+def watched_indices(model: nn.Module, stack: BlockStack) -> Iterator[set[str]]:
+    """While tracing, the blocks' index attributes (an int equal to the block's index in blocks 1
+    and 2, the attributes `_alike` lets differ) record being computed with; yields the set of
+    their names read so (restored after)."""
+    blocks = list(model.get_submodule(stack.path))
+    read: set[str] = set()
+    saved: list[tuple[nn.Module, str, int]] = []
+    for (name, m1), (_, m2) in zip(blocks[1].named_modules(), blocks[2].named_modules()):
+        for key, value in vars(m1).items():
+            if type(value) is int and value == 1 and type(vars(m2).get(key)) is int and vars(m2)[key] == 2:
+                for b, m in ((1, m1), (2, m2)):
+                    saved.append((m, key, b))
+                    m.__dict__[key] = _WatchedIndex(b, f"{name + '.' if name else ''}{key}", read)
+    try:
+        yield read
+    finally:
+        for m, key, value in saved:
+            m.__dict__[key] = value
+
+
 def capture_repeated(model: nn.Module, example_inputs, trace: Callable[..., TrainingGraph],
                      loss_fn=None, dtype=None) -> tuple[TrainingGraph | None, str]:
     """The joint graph of ``model``'s step traced (by ``trace``, the whole-model capture) with
@@ -155,8 +212,15 @@ def capture_repeated(model: nn.Module, example_inputs, trace: Callable[..., Trai
     if stack is None:
         return None, ""
     t0 = time.perf_counter()
-    with traced_blocks(model, stack):
-        small = trace(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
+    with traced_blocks(model, stack), watched_indices(model, stack) as read:
+        try:
+            small = trace(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
+        except Exception:
+            if not read:
+                raise
+    if read:  # the blocks' code computes with its index: each block may run other ops
+        return None, (f"traced all {stack.count} blocks of {stack.path} (their forward computes with "
+                      f"their index {', '.join(sorted(read))}, so no block stands for another)")
     try:
         graph = expand(small, stack)
     except NotRepeatable as exc:
