@@ -86,6 +86,8 @@ class Kind:
     dens: the data-only denominators a value divides by ("B": pending, "A": its ratios);
     data_only: an "E" computed without parameters (a candidate denominator);
     means: an "A" holding a mean over the batch (not only ratios and uniform terms);
+    count: an "E" straight from a sum: how many elements it added (a hand-written mean divides
+    by it or by the rows);
     loose: a "B" the model computed with rows other than the batch's (a mixture-of-experts
     capacity buffer): the model's business, its ops not followed dim by dim.
     """
@@ -96,6 +98,7 @@ class Kind:
     data_only: bool = False
     means: bool = False
     loose: bool = False
+    count: int = 0
     why: str = ""
     node: fx.Node | None = None
 
@@ -263,17 +266,14 @@ def _value(node, kinds) -> Kind | None:
     return kinds[node] if isinstance(node, fx.Node) else None
 
 
-def _by_number(node: fx.Node, divisor: float, batch: int, data_only: bool) -> Kind:
+def _by_number(node: fx.Node, divisor: float, batch: int, k: Kind) -> Kind:
     """A batch sum divided by a number: a mean over the batch written by hand (``sum /
-    x.shape[0]``, the capture bakes the piece's row count in) when the number is a multiple
-    of the piece's rows, else a sum scaled by a constant."""
-    ratio = divisor / batch if batch else 0.0
-    if batch == 1 and abs(divisor) > 1 and float(divisor).is_integer():
-        return _x(node, f"{node.target} divides a batch sum by {divisor}, which may be the batch "
-                  "size or a constant (one row per piece cannot tell them apart): use .mean()")
-    if ratio > 0 and abs(ratio - round(ratio)) < 1e-9:
+    x.shape[0]``, ``sum / x.numel()``: the capture bakes the piece's sizes in) when the number
+    is the piece's row count or the count of elements the sum added, else a sum scaled by a
+    constant."""
+    if divisor == batch or (k.count and divisor == k.count):
         return Kind("A", means=True)
-    return Kind("E", data_only=data_only)
+    return Kind("E", data_only=k.data_only)
 
 
 def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
@@ -300,9 +300,6 @@ def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
         return k if k.kind == "A" else _x(node, f"{name} adds a constant to a sum over the batch")
     if t in (aten.mul.Tensor, aten.mul.Scalar):
         a, b = args
-        if a is None and b.kind == "E" or b is None and a.kind == "E":
-            number = node.args[0] if a is None else node.args[1]
-            return _by_number(node, 1.0 / number if number else 0.0, batch, (a or b).data_only)
         if a is None or a.kind == "U":
             return b
         if b is None or b.kind == "U":
@@ -312,7 +309,7 @@ def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
     if t in (aten.div.Tensor, aten.div.Scalar):
         a, b = args
         if b is None and a.kind == "E":
-            return _by_number(node, node.args[1], batch, a.data_only)
+            return _by_number(node, node.args[1], batch, a)
         if b is None or b.kind == "U":
             return a
         if b.kind == "E" and b.data_only and a.kind in "EB" and not a.dens:
@@ -340,7 +337,7 @@ def _reduce(node: fx.Node, k: Kind, has_param: dict) -> Kind:
         return Kind("A", means=True)
     if k.dens:
         return Kind("A", dens=k.dens)
-    return Kind("E", data_only=not has_param[node])
+    return Kind("E", data_only=not has_param[node], count=math.prod(shape[d] for d in dims))
 
 
 def _elementwise_loss(node: fx.Node, kinds: dict, has_param: dict) -> Kind:

@@ -103,7 +103,8 @@ class _JointStep(torch.autograd.Function):
                 elif kind == "tangent":  # the loss's seed gradient
                     args.append(seeds[micro])
                 elif kind == DENOMINATOR:  # the loss's normaliser over the whole step, / (d m)
-                    args.append(denominators[int(name)].to(holders[len(args)].meta["val"].dtype))
+                    val = holders[len(args)].meta["val"]
+                    args.append(denominators[int(name)].to(device=device, dtype=val.dtype))
                 elif kind == "zero_tangent":  # another output's: returned, not differentiated
                     val = holders[len(args)].meta["val"]
                     args.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=device))

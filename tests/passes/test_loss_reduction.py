@@ -44,7 +44,7 @@ def _two(z, y, m):  # two normalisers: tokens, and rows with any token
     tok = _masked(z, y, m)
     rows = (y != -100).any(dim=1)
     per_row = (z.logsumexp(-1) * (y != -100)).sum(1)
-    return tok + 0.3 * torch.where(rows, per_row, 0).sum() / rows.sum()
+    return tok + 0.5 * torch.where(rows, per_row, 0).sum() / rows.sum()
 
 
 LOSSES = {
@@ -59,7 +59,7 @@ LOSSES = {
     "sum_by_param": lambda z, y, m: z.square().sum() / m.proj.weight.abs().sum(),
     "mean": lambda z, y, m: z.square().mean(),
     "mse": lambda z, y, m: F.mse_loss(z, torch.ones_like(z)) + F.l1_loss(z, z.detach() * 0.5),
-    "hand_mean": lambda z, y, m: z.logsumexp(-1).sum() / z.shape[0] + (z.square().sum() * (1 / z.numel())),
+    "hand_mean": lambda z, y, m: z.logsumexp(-1).sum() / z.shape[0] + z.square().sum() / z.numel(),
     "bce_sum": lambda z, y, m: F.binary_cross_entropy_with_logits(z, (y.unsqueeze(-1) > 2).float().expand_as(z),
                                                                   reduction="sum"),
     # refused: not linear in the batch
@@ -68,13 +68,14 @@ LOSSES = {
     "max": lambda z, y, m: F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="none").max(),
     "median": lambda z, y, m: F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="none").median(),
     "sum_plus_mean": lambda z, y, m: F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="sum") + z.mean(),
+    "ratio_plus_scaled_sum": lambda z, y, m: _masked(z, y, m) + z.square().sum() / 10,
     "batch_gram": lambda z, y, m: (z.sum(0).square()).sum(),
     "by_model_sum": lambda z, y, m: z.square().sum() / z.abs().sum(),
 }
 MODES = {"ce": "ratio", "masked": "ratio", "weighted": "ratio", "smooth": "global", "two": "global",
          "ce_plus_mean": "global", "ce_plus_decay": "ratio", "sum": "sum", "sum_by_param": "sum", "mean": "mean",
          "mse": "mean", "hand_mean": "mean", "bce_sum": "sum"}
-REFUSED = ["squared", "log_mean", "max", "median", "sum_plus_mean", "batch_gram", "by_model_sum"]
+REFUSED = ["ratio_plus_scaled_sum", "squared", "log_mean", "max", "median", "sum_plus_mean", "batch_gram", "by_model_sum"]
 
 
 def _signature(graph) -> GraphSignature:
