@@ -253,6 +253,55 @@ def _check_layout_fits(layout: Layout, ranks: int, where: str, cfg: ModelConfig,
 # ---------------------------------------------------------------------------------- commands
 
 
+def _check_batch_splits(layout: Layout, batch: int, what: str) -> None:
+    """``batch`` sequences split into the layout's dp ranks x microbatch x grad_accum, or a
+    `UsageError` naming the fix."""
+    head = f"--layout {layout.short()} with {what}"
+    dp, mb, ga = layout.dp, layout.microbatch, layout.grad_accum
+    if batch % dp:
+        raise UsageError(f"{head}: dp={dp} does not divide the batch of {batch} sequences; fix: a dp "
+                         f"that divides it, or a --global-batch-tokens of a multiple of {dp} sequences")
+    per_rank = batch // dp
+    for name, value in (("microbatch", mb), ("grad_accum", ga)):
+        if value is not None and per_rank % value:
+            raise UsageError(f"{head}: each of the dp={dp} ranks gets {per_rank} sequences, which do "
+                             f"not split by {name}={value}; fix: a {name} that divides {per_rank} "
+                             f"(one of {_divisors(per_rank)}), or leave {name} out")
+    if mb is not None and ga is not None and mb * ga != per_rank:
+        raise UsageError(f"{head}: dp={dp} x microbatch={mb} x grad_accum={ga} = {dp * mb * ga} "
+                         f"sequences, not {batch}; fix: microbatch x grad_accum = {per_rank}, or give "
+                         "only one of them")
+
+
+def _does_not_fit(result) -> str:
+    """One line for a manual layout whose predicted memory exceeds a device's: by how much,
+    the largest part, and the knobs that shrink that part."""
+    from autopar.report import fmt_bytes
+
+    p, lay = result.predicted, result.layout
+    mem = p.memory_breakdown
+    state = mem["params"] + mem["grads"] + mem["optimizer"]
+    knobs = []
+    if state >= mem["activations"]:
+        largest = f"weights, gradients and optimizer state {fmt_bytes(state)}"
+        if lay.zero < 3 and lay.dp > 1:
+            knobs.append("zero=3")
+        knobs.append("a larger tp or pp")
+    else:
+        largest = f"activations {fmt_bytes(mem['activations'])}"
+        if lay.recompute != "full":
+            knobs.append("recompute=full")
+        if lay.microbatch and lay.microbatch > 1:
+            knobs.append(f"microbatch={lay.microbatch // 2},grad_accum={lay.grad_accum * 2}")
+        if lay.tp > 1 and not lay.sp:
+            knobs.append("sp=1")
+        knobs.append("a larger tp, pp or cp")
+    return (f"--layout {lay.short()} does not fit: {fmt_bytes(p.memory_per_device_bytes)} per device "
+            f"of {fmt_bytes(p.memory_capacity_bytes)}, "
+            f"{fmt_bytes(p.memory_per_device_bytes - p.memory_capacity_bytes)} short (largest: {largest}); "
+            f"fix: {', or '.join(knobs)}, or leave --layout out for the solver's plan")
+
+
 def _write_json(path: str | None, data) -> None:
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -287,6 +336,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''}"
         where = f"the cluster has {cluster.world_size} ({nodes} x {cluster.gpus_per_node} GPUs)"
         _check_layout_fits(layout, cluster.world_size, where, cfg, seq)
+        _check_batch_splits(layout, batch, f"--global-batch-tokens {args.global_batch_tokens:,} "
+                            f"(= {batch} sequences of {seq})")
     # only now the heavy imports (torch alone takes seconds): a bad argument answers at once
     import torch
 
@@ -300,6 +351,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.quiet else None
     result = plan(model, inputs, cluster=cluster, layout=layout, progress=progress,
                   **({"allow_fp8": True} if args.fp8 else {}))
+    if layout is not None and not result.predicted.fits:
+        # the summary says how memory splits; it must not claim that the layout runs
+        print(result.summary().replace("  runs     with autopar.parallelize",
+                                       "  runs     no: it does not fit in memory"))
+        raise CommandError(_does_not_fit(result))
     print(result.summary())
     if args.layout is None:
         print()
