@@ -243,15 +243,29 @@ def test_calibrate_runs_errors_and_profile_flag(tmp_path, capsys):
     assert "autopar calibrate" in capsys.readouterr().err
 
 
+# one of every kind of argument check above, replayed in a fresh interpreter
+EARLY_ERRORS = [
+    ["plan", "--model", "gpt2", "--seq", "0"], ["inspect", "--model", "unknown"],
+    [*GPT2_8, "--layout", "dp=eight"], [*GPT2_8, "--layout", "dp=3"], ["plan", "--model", "gtp2"],
+    ["plan", "--model", "gpt2", "--nodes", "0"], ["plan", "--model", "gpt2", "--cluster", "nosuch"],
+    ["plan", "--model", "gpt2", "--seq", "1000"], [*GPT2_8, "--layout", "dp=8,zero=5"],
+    [*GPT2_8, "--layout", "dpp=8"],
+    ["plan", "--model", "gpt2-xl", "--gpus-per-node", "6", "--layout", "dp=2,tp=3"],
+    ["dump", "--model", "tiny-llama", "--world", "2", "--rank", "2"],
+    ["dump", "--model", "tiny-llama", "--layout", "pp=2,zero=3"],
+]
+
+
 def test_argument_errors_answer_before_torch_is_imported():
     """A bad argument is answered from the configs alone: torch, the slow part of starting a
     command, is never loaded (so neither is any model)."""
     code = ("import sys; from autopar.cli import main\n"
-            "for argv in (['plan', '--model', 'gpt2', '--seq', '0'], ['plan', '--layout', 'dp=eight'],\n"
-            "             ['plan', '--model', 'gtp2'], ['dump', '--model', 'tiny-llama', '--layout', 'pp=2,zero=3']):\n"
+            f"for argv in {EARLY_ERRORS!r}:\n"
             "    assert main(argv) == 2, argv\n"
-            "print('torch' in sys.modules)")
+            "    assert 'torch' not in sys.modules, argv\n"
+            "print('no torch')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
-    assert out.stderr.count("autopar: error:") == 4 and out.stderr.count("fix:") == 4
+    assert out.stdout.strip() == "no torch"
+    n = len(EARLY_ERRORS)
+    assert out.stderr.count("autopar: error:") == n and out.stderr.count("fix:") == n, out.stderr
