@@ -22,7 +22,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from parity_checks import close as _close
 from parity_checks import contract as _contract
@@ -268,7 +268,10 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     return bad
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+# 4 layouts, each a spawn of 2 or 4 gloo ranks running a step: 3 drawn (the same every run, so
+# a failure reproduces and the suite's time is stable) and one written out for what those 3 miss
+# (llama, a partial recompute, the zero-bubble schedule)
+@settings(derandomize=True, max_examples=3, deadline=None)
 @given(
     family=st.sampled_from(["gpt2", "llama", "mixtral"]),
     hidden=st.sampled_from([32, 64]),
@@ -282,6 +285,8 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
     pp=st.sampled_from([1, 2]),
     schedule=st.sampled_from(["afab", "1f1b", "interleaved-1f1b", "zero-bubble"]),
 )
+@example(family="llama", hidden=32, layers=2, world=4, tp=2, sp=True, zero=1, accum=2,
+         recompute="partial", pp=2, schedule="zero-bubble")
 def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum,
                                                     recompute, pp, schedule):
     if pp > 1:  # a pipeline: a block per stage at least (two stages per rank interleaved)
