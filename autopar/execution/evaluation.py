@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.placement_types import _MaskPartial
+from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.utils import _pytree as pytree
 
 from autopar.capture.forward import ForwardGraph, TensorSpec, capture_forward
@@ -63,24 +63,52 @@ def evaluate(graphs: EvalGraphs, module: nn.Module, mesh: DeviceMesh, params: di
     graph = graphs.get(module, params, buffers, global_batch, loss_fn)
     inputs = [_batch_dtensor(x, mesh, dp, local_batch) for x in batch]
     flat = [params[n] for n in graph.params] + [buffers[n] for n in graph.buffers] + inputs
-    with implicit_replication():
+    grad = torch.is_grad_enabled()
+    with implicit_replication(), torch.no_grad():
         out = _Run(graph.gm).run(*flat)
-    out = [o.full_tensor() if isinstance(o, DTensor) else o for o in out]
+        out = [o.full_tensor() if isinstance(o, DTensor) else o for o in out]
+    if grad:  # a backward from an evaluation is an error that names the fix, not a bare one
+        out = [_EvalOnly.apply(o, _ANCHOR) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+               for o in out]
     return pytree.tree_unflatten(out, graph.out_spec)
 
 
-class _Run(torch.fx.Interpreter):
-    """Runs the graph node by node, settling each vocabulary-sharded embedding's output at once.
+class _EvalOnly(torch.autograd.Function):
+    """Passes an evaluation's output through; its backward raises `InputError`."""
 
-    DTensor's embedding over a row-sharded table returns a pending sum whose mask is released
-    by the first reduction: a second reader of the same value (an RMSNorm's square and its
-    product) would find it gone. Reduced right away, every reader sees the whole value."""
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise InputError(
+            "backward() of an output of pm.eval(): evaluation runs the eval-mode forward without "
+            "gradients.\n  fix: call pm.train() before the training step (to train without "
+            "dropout, build the model with dropout probability 0), or evaluate under "
+            "torch.no_grad()")
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)  # makes _EvalOnly's output require grad
+
+
+class _Run(torch.fx.Interpreter):
+    """Runs the graph node by node, settling two kinds of placement DTensor's propagation
+    mishandles in an activation as soon as an op produces one.
+
+    A vocabulary-sharded embedding's output is a pending sum whose mask the first reduction
+    releases: a second reader of the value (an RMSNorm's square and its product) would find it
+    gone. An activation split like a fused weight (``_StridedShard``, from a fused qkv or
+    gate|up projection) has no view rule for splitting heads. Both are made whole on their
+    mesh axes (an all-reduce / all-gather); weights are left as they are."""
 
     def run_node(self, node: torch.fx.Node):
         out = super().run_node(node)
-        if isinstance(out, DTensor) and any(isinstance(p, _MaskPartial) for p in out.placements):
-            out = out.redistribute(out.device_mesh, [Replicate() if isinstance(p, _MaskPartial) else p
-                                                     for p in out.placements])
+        if node.op == "placeholder" or not isinstance(out, DTensor):
+            return out
+        if any(isinstance(p, (_MaskPartial, _StridedShard)) for p in out.placements):
+            out = out.redistribute(out.device_mesh, [Replicate() if isinstance(p, (_MaskPartial, _StridedShard))
+                                                     else p for p in out.placements])
         return out
 
 

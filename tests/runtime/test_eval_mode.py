@@ -11,11 +11,13 @@ training step updates its statistics again.
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from parity_checks import sgd, train_and_compare_step
 from torch import nn
 
+from autopar.errors import InputError
 from runtime.launch import spawn
 
 LAYOUTS = ({"dp": 2}, {"dp": 2, "zero": 3}, {"tp": 2})
@@ -70,6 +72,13 @@ def _eval_checks(pm, ref, batches, label, failures):
         _close(got, want, f"eval output, batch {i}", failures, label)
         again = pm(*batch)  # without no_grad: the same (no dropout, no statistics update)
         _close(again, want, f"eval output without no_grad, batch {i}", failures, label)
+        loss = again[0] if isinstance(again, tuple) else again
+        try:  # a backward from an evaluation names the fix
+            loss.backward()
+            failures.append((*label, "backward of an eval output did not raise"))
+        except InputError as exc:
+            if "pm.train()" not in str(exc):
+                failures.append((*label, "backward of an eval output", str(exc)))
     for name, b in _buffers(pm).items():
         if not torch.equal(b, before[name]):
             failures.append((*label, f"buffer {name} changed by evaluation"))
@@ -77,17 +86,20 @@ def _eval_checks(pm, ref, batches, label, failures):
     ref.train()
 
 
-def _worker(rank: int, world: int) -> list[tuple]:
+def _worker(rank: int, world: int, layouts=LAYOUTS) -> list[tuple]:
     import autopar
     from autopar import models
 
     failures = []
-    for degrees in LAYOUTS:
+    for degrees in layouts:
         layout = autopar.Layout(**degrees)
         # a model of our own: BatchNorm and Dropout, another batch size (5 rows) evaluated too
         model, batch = _bn_setup()
         ref = copy.deepcopy(model)
-        pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
+        # BatchNorm's training step normalises each rank's slice by its own statistics (DDP's
+        # semantics without SyncBatchNorm), accepted knowingly; evaluation is exact regardless
+        pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout,
+                                 loss_reduction="mean_per_rank")
         label = ("bn-dropout", pm.plan.layout.short())
         _eval_checks(pm, ref, [batch, _bn_setup(rows=5, seed=2)[1]], label, failures)
         tracked = int(pm.bn.num_batches_tracked)
@@ -111,3 +123,27 @@ def _worker(rank: int, world: int) -> list[tuple]:
 def test_eval_matches_one_device_eval():
     for failures in spawn(_worker, 2, timeout_s=900):
         assert not failures, failures
+
+
+def _pipeline_worker(rank: int, world: int) -> str:
+    import autopar
+    from autopar import models
+
+    model = models.build("tiny-llama", seed=3)
+    batch = models.example_inputs("tiny-llama", batch=4, seq=16)
+    pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(pp=2, dp=world // 2))
+    pm.eval()
+    try:
+        pm(*batch)
+    except InputError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_eval_under_dp_x_tp_matches_one_device_and_a_pipeline_says_why_not():
+    for failures in spawn(_worker, 4, args=(({"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "zero": 3}),),
+                          timeout_s=900):
+        assert not failures, failures
+    for message in spawn(_pipeline_worker, 4, timeout_s=900):
+        assert "not executed under a pipeline (pp=2)" in message and "full_state_dict" in message, message
