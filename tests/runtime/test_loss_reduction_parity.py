@@ -1,7 +1,7 @@
 """Losses other than a plain token mean train as on one device when the batch is split.
 
 A hand-written masked mean, class-weighted cross-entropy, label smoothing over unevenly padded
-labels and a sum of two losses with different normalisers: loss, every gradient and the
+labels, a sum of two losses with different normalisers and a summed cross-entropy: loss, every gradient and the
 parameters after SGD steps match one device (fp32, rtol 1e-5) under dp=2, dp=2 x grad_accum=2,
 dp=1 x grad_accum=2 and a pipeline (pp=2, 2 micro-batches: the losses with one normaliser), on a
 model of our own and on the zoo's tiny Llama. A loss that is not linear in the batch is refused
@@ -59,6 +59,7 @@ LOSSES = {
     "weighted": lambda z, y, w: F.cross_entropy(z, y, weight=w),
     "smoothed": lambda z, y, w: F.cross_entropy(z, y, label_smoothing=0.1),
     "two": _two,
+    "summed": lambda z, y, w: F.cross_entropy(z, y, reduction="sum"),
     "squared": lambda z, y, w: F.cross_entropy(z, y) ** 2,
 }
 
@@ -87,14 +88,15 @@ def _worker(rank: int, world: int) -> list[tuple]:
 
     failures = []
     own = _batch(V)
-    for loss in ("masked", "weighted", "smoothed", "two"):
+    for loss in ("masked", "weighted", "smoothed", "two", "summed"):
         failures += _run(Head(loss), own, {"dp": 2}, ("own", loss))
     failures += _run(Head("two"), own, {"dp": 2, "grad_accum": 2}, ("own", "two"))
     zoo = _batch(Head("masked", zoo=True).body.config.vocab)
     for loss in ("weighted", "smoothed"):
         failures += _run(Head(loss, zoo=True), zoo, {"dp": 2}, ("tiny-llama", loss))
     # a pipeline with 2 micro-batches: a single normaliser rides on the seeds
-    failures += _run(Head("masked", zoo=True), zoo, {"pp": 2, "grad_accum": 2}, ("tiny-llama", "masked"))
+    for loss in ("masked", "weighted"):
+        failures += _run(Head(loss, zoo=True), zoo, {"pp": 2, "grad_accum": 2}, ("tiny-llama", loss))
     try:  # several normalisers are not fed through a pipeline yet: refused, not silent
         autopar.parallelize(Head("smoothed", zoo=True), world, example_inputs=zoo,
                             layout=autopar.Layout(pp=2, grad_accum=2))
