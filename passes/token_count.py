@@ -18,6 +18,9 @@ Two rewrites make that so:
   loss's seed gradient (the tangent input): the reported loss is then weighted exactly as the
   gradients are, and the pieces' weighted losses add up to S / N.
 
+`passes.loss_reduction` generalises the counter to any loss divided by data-only batch sums
+(and is what `autopar.parallelize` runs); `weight_loss_by_seed` serves both.
+
 The runtime feeds seed_k = d * n_k / N (the data-parallel pass divides by d again), with N the
 sum of the counts over micro-batches and ranks (one all-reduce of an integer per step). With
 equal counts the seed is 1/m, exactly what it is without a counter.

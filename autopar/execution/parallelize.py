@@ -27,6 +27,13 @@ the module then holds only its stages' parameters. Any other decision (ZeRO-2/3 
 context or expert parallelism, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
+The loss trains as on one device wherever the layout splits the batch (data parallelism,
+micro-batches): `passes.loss_reduction` proves it a linear combination of batch sums, means and
+ratios of batch sums with data-only normalisers (token counts, mask sums, class-weight sums) and
+the runtime weights the pieces or feeds the normalisers' step-wide values; a loss it cannot prove
+is a `LossReductionError` naming the op, unless ``loss_reduction="mean_per_rank"`` accepts DDP's
+per-rank averaging.
+
 Buffers the forward updates (BatchNorm statistics) are written back on every rank; under data
 parallelism each rank keeps its own statistics, as DDP does without SyncBatchNorm.
 
