@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import InputError
@@ -88,11 +89,13 @@ class ParallelModule(nn.Module):
         how its shards are filled (after ``torch.distributed.checkpoint.load(sd, ...)``).
 
         A one-device state dict (whole plain tensors where the module holds DTensors, as
-        ``torch.save(model.state_dict())`` writes) is loaded by `load_full_state_dict`."""
+        ``torch.save(model.state_dict())`` writes) is loaded by `load_full_state_dict`, which
+        needs every key of the model and no other (``strict`` is not relaxed there)."""
         own = dict(self.named_parameters(remove_duplicate=False))
         if any(isinstance(own.get(k), DTensor) and isinstance(v, torch.Tensor)
                and not isinstance(v, DTensor) for k, v in state_dict.items()):
-            return self.load_full_state_dict(state_dict)
+            self.load_full_state_dict(state_dict)
+            return _IncompatibleKeys([], [])
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._unloaded -= set(state_dict)
         return result
@@ -103,13 +106,13 @@ class ParallelModule(nn.Module):
 
         return full_state_dict(self)
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]):
-        """Fill each rank's shards from whole tensors in the original module's names."""
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Fill each rank's shards from whole tensors in the original module's names (a
+        one-device ``model.state_dict()``; the same dict on every rank)."""
         from autopar.execution.state_dict import load_full_state_dict
 
-        result = load_full_state_dict(self, state_dict)
+        load_full_state_dict(self, state_dict)
         self._unloaded -= set(state_dict)
-        return result
 
     def forward(self, *batch: torch.Tensor, **named: torch.Tensor):
         """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients.

@@ -1,7 +1,8 @@
 """ParallelModule used as PyTorch users use a module, and misused as they misuse one, on 2 gloo
 ranks (dp=2): keyword arguments, inputs in another memory layout (column-major token ids,
 channels_last images), an optimizer over the original model's parameters, ranks passing
-different data or batch sizes (an error on every rank, never a hang). One spawn for all.
+different data or batch sizes (an error on every rank, never a hang), a one-device state dict
+loaded and the whole state read back. One spawn for all.
 """
 
 import copy
@@ -97,6 +98,19 @@ def _worker(rank: int, world: int) -> dict:
     for _ in range(3):
         pm(tokens, labels).backward()
     costs["step"] = (time.perf_counter() - start) / 3
+    # a one-device state dict loads (whole tensors into each rank's shards) and comes back whole
+    other_model = models.build("tiny-llama", seed=4)
+    sd = other_model.state_dict()
+    pm.load_state_dict(sd)
+    if not _close(pm(tokens, labels), other_model(tokens, labels)):
+        failures.append("load_state_dict of a one-device state dict: another loss")
+    back = pm.full_state_dict()
+    wrong = [k for k, v in sd.items() if not torch.equal(back[k], v)]
+    if wrong or set(back) != set(sd):
+        failures.append(f"full_state_dict after loading: {wrong[:3]} differ, keys {set(back) ^ set(sd)}")
+    pm.load_full_state_dict(ref.state_dict())
+    if not _close(pm(tokens, labels), want):
+        failures.append("load_full_state_dict: another loss")
     # local_batch=True: each rank its own slice, of one size on every rank
     images = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(rank))
     classes = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(10 + rank))
