@@ -64,11 +64,17 @@ _KEEPS_PARTIAL = {
 _MERGING_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
 _LOSS_PLAIN_ARGS = {aten.nll_loss_forward.default: (1,), aten.nll_loss_backward.default: (2, 6)}
+_CONVOLUTIONS = {aten.convolution.default, aten.convolution_backward.default}
 _NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
 _PARALLEL_LOSS = {aten._log_softmax.default, aten.nll_loss_forward.default,
                   aten._log_softmax_backward_data.default, aten.nll_loss_backward.default}
 _SAME_VALUE = {aten.clone.default, aten.alias.default, aten.detach.default}
 _COLLECTIVE_PREFIX = "_c10d_functional."
+
+
+class TensorParallelError(ValueError):
+    """An op of the graph cannot run on its inputs' TP placements (names the op, where the
+    model runs it, and the fix)."""
 
 
 @dataclass
@@ -195,7 +201,12 @@ class _Interpreter:
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 with fx_traceback.set_current_meta(node):  # keep partitioner_tag (fwd / bwd)
-                    env[node] = self._call(node, env)
+                    try:
+                        env[node] = self._call(node, env)
+                    except TensorParallelError:
+                        raise
+                    except Exception as exc:  # DTensor's bare assertions and shape errors
+                        raise TensorParallelError(_failure(node, env, exc, self.sp)) from exc
             elif node.op == "get_attr":
                 env[node] = _tree_wrap(getattr(self.gm, node.target), self.mesh)
             elif node.op == "output":
@@ -216,7 +227,9 @@ class _Interpreter:
         if node.target in _LOSS_PLAIN_ARGS:  # loss_parallel wants labels and weights plain
             args = tuple(a.to_local() if i in _LOSS_PLAIN_ARGS[node.target] and isinstance(a, DTensor)
                          and a.placements[0] == Replicate() else a for i, a in enumerate(args))
-        if str(node.target) in self.replicated_ops:
+        if str(node.target) in self.replicated_ops or (node.target in _CONVOLUTIONS and any(
+                isinstance(a, DTensor) and _is_shard(a.placements[0]) for a in args)):
+            # a convolution over a sharded (SP: sequence) dim needs its neighbours' halo: whole
             return self._replicated(node, args, kwargs, None)
         if node.target in _NLL_BACKWARD and _class_sharded(args[1]) and not _fused_loss_backward(node):
             return _vocab_nll_backward(node, args)
@@ -410,6 +423,24 @@ class _Interpreter:
                 value = value.to_local()
             outs.append(value)
         return tuple(outs)
+
+
+def _failure(node: fx.Node, env, exc: Exception, sp: bool) -> str:
+    """The message of an op that failed on its inputs' TP placements."""
+    placements = [str(env[a].placements[0]) if isinstance(env.get(a), DTensor) else "local"
+                  for a in node.all_input_nodes]
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
+    module = node.meta.get("module") or next(reversed(node.meta.get("nn_module_stack") or {"": ""}), "")
+    where = f"in the forward of {module or 'the top-level module'}"
+    if lines:
+        where += " at " + " / ".join(lines[-2:])
+    if node.meta.get("partitioner_tag") == "is_backward":
+        where = "in the backward, " + where
+    first = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+    fix = "use sp=0, or tp=1" if sp else "use tp=1"
+    return (f"TP: {_op_name(node)} ({node}) {where} cannot run on its inputs' placements "
+            f"{placements} ({type(exc).__name__}: {first}); fix: {fix} for this model, or keep the "
+            "weights that feed this op replicated")
 
 
 def _class_sharded(x, dim: int | None = None) -> bool:

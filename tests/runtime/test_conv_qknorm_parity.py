@@ -1,6 +1,8 @@
 """Models no zoo entry names train as on one device: a QK-norm over all heads (a LayerNorm of
 the whole column-parallel q / k projection, before the head split) under tp=2, and a 1-D conv
-net over embedded tokens (its activations transposed to [b, h, s]) under tp=2 and pp=2.
+net over embedded tokens (its activations transposed to [b, h, s]) under tp=2 (with and
+without SP: under SP a convolution over the sharded sequence runs whole, a listed fallback)
+and pp=2.
 
 Before: the QK-norm died inside DTensor, the conv net under TP in the reduction of the
 vocabulary-sharded embedding (its partial sum read through a view and directly), and under
@@ -61,7 +63,8 @@ class ConvLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-CASES = [(QKNormLM, {"tp": 2}), (ConvLM, {"tp": 2}), (ConvLM, {"pp": 2, "grad_accum": 2})]
+CASES = [(QKNormLM, {"tp": 2}), (QKNormLM, {"tp": 2, "sp": True}), (ConvLM, {"tp": 2}),
+         (ConvLM, {"tp": 2, "sp": True}), (ConvLM, {"pp": 2, "grad_accum": 2})]
 
 
 def _worker(rank: int, world: int) -> list[tuple]:
@@ -74,8 +77,11 @@ def _worker(rank: int, world: int) -> list[tuple]:
         model = make()
         ref = copy.deepcopy(model)
         pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
-        failures += train_and_compare(pm, ref, batch, (make.__name__, pm.plan.layout.short()), steps=2,
-                                      optimizers=(sgd,))
+        label = (make.__name__, pm.plan.layout.short())
+        failures += train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd,))
+        unexpected = [f.op for f in pm.plan.fallbacks if "convolution" not in f.op]
+        if unexpected:
+            failures.append((*label, "fallbacks", unexpected))
     return failures
 
 
