@@ -49,7 +49,7 @@ def full_state_dict(pm: nn.Module, rank0_only: bool = False) -> dict[str, torch.
             if id(value) not in gathered:
                 gathered[id(value)] = _whole(value)
             local[name] = gathered[id(value)]
-    merged = _merge_across_ranks(local, rank0_only)
+    merged = _merge_across_ranks(local, rank0_only, _device(pm))
     return merged if keep else {}
 
 
@@ -98,7 +98,7 @@ def full_optim_state_dict(pm: nn.Module, opt: torch.optim.Optimizer,
             local[names[id(p)] + _SEP + key] = _whole(value) if isinstance(value, torch.Tensor) else value
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [names[id(p)] for p in g["params"]]} for g in opt.param_groups]
-    merged = _merge_across_ranks(local, rank0_only)
+    merged = _merge_across_ranks(local, rank0_only, _device(pm))
     all_groups = _all_gather(groups)
     if rank0_only and _rank() != 0:
         return {}
@@ -217,7 +217,15 @@ def _global_shapes(local: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ..
     return merged
 
 
-def _merge_across_ranks(local: dict[str, Any], rank0_only: bool) -> dict[str, Any]:
+def _device(pm: nn.Module) -> torch.device:
+    """Where this rank's collectives run (NCCL needs CUDA buffers; gloo CPU ones)."""
+    mesh = getattr(pm, "mesh", None)
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _merge_across_ranks(local: dict[str, Any], rank0_only: bool, device: torch.device) -> dict[str, Any]:
     """Every rank's entries in one dict: an entry every rank holds is kept; one only some
     ranks hold (another pipeline stage's) comes from the lowest of them, tensors by broadcast
     (point-to-point to rank 0 with ``rank0_only``), other values with the metadata."""
@@ -227,7 +235,6 @@ def _merge_across_ranks(local: dict[str, Any], rank0_only: bool) -> dict[str, An
             for k, v in local.items()}
     everyone = _all_gather(meta)
     me, world = _rank(), _world()
-    device = next((v.device for v in local.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
     merged: dict[str, Any] = {}
     for key in sorted(set().union(*everyone)):
         holders = [r for r in range(world) if key in everyone[r]]
@@ -236,7 +243,7 @@ def _merge_across_ranks(local: dict[str, Any], rank0_only: bool) -> dict[str, An
             merged[key] = local[key] if key in local else info[1]
             continue
         owner = holders[0]
-        buf = local[key].contiguous() if me == owner else torch.empty(info[1], dtype=info[2], device=device)
+        buf = local[key].to(device).contiguous() if me == owner else torch.empty(info[1], dtype=info[2], device=device)
         if rank0_only:
             if owner != 0 and me == owner:
                 dist.send(buf, dst=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -71,8 +72,8 @@ def fused_lm(seed: int = 0, device: str | None = None) -> FusedLM:
         return FusedLM()
 
 
-def fused_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+def fused_batch(size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 64, (size, 16), generator=torch.Generator().manual_seed(1))
     return ids, ids.roll(-1, dims=1)
 
 
@@ -202,10 +203,11 @@ def _wipe(pm) -> None:
             p._local_tensor.fill_(float("nan"))
 
 
-def _move(build, batch, world, before_full, layout, path_in, path_out, label) -> tuple[list, tuple]:
+def _move(build, batch, world, before_full, layout, path_in, path_out, label) -> tuple[list, tuple, nn.Module]:
     """Parallelise ``build`` under ``layout``, load the checkpoint at ``path_in`` both ways
     (DCP, then whole tensors into wiped shards and a new optimizer), check each against
-    ``before_full``, train a step and save to ``path_out``: (failures, the full state saved)."""
+    ``before_full``, train a step and save to ``path_out``: (failures, the full state saved,
+    the parallelised model)."""
     from parity_checks import adamw
 
     import autopar
@@ -226,50 +228,147 @@ def _move(build, batch, world, before_full, layout, path_in, path_out, label) ->
         failures += _differences((*label, "whole"), before_full, _full(pm, opt))
         _step(pm, opt, batch)  # the moved state trains on under the new plan
     _save(pm, opt, path_out)
-    return failures, _full(pm, opt)
+    whole = _full(pm, opt)
+    if layout.pp > 1:  # only rank 0 gets the whole dict; the other stages send it theirs
+        failures += _rank0_only_check(pm, whole[0], label)
+    return failures, whole, pm
 
 
-def _chain(build, batch, world: int, layouts, path: str, name: str) -> list:
-    failures, saved = [], None
+def _rank0_only_check(pm, whole: dict, label) -> list:
+    import torch.distributed as dist
+
+    from autopar.execution.state_dict import full_state_dict
+
+    to_rank0 = full_state_dict(pm, rank0_only=True)
+    if dist.get_rank() != 0:
+        return [(*label, "rank0_only: a dict on another rank")] if to_rank0 else []
+    if to_rank0.keys() != whole.keys() or not all(torch.equal(to_rank0[k], whole[k]) for k in whole):
+        return [(*label, "rank0_only differs")]
+    return []
+
+
+def _chain(build, batch, world: int, layouts, path: str, name: str) -> tuple[list, nn.Module]:
+    failures, saved, pm = [], None, None
     for k, layout in enumerate(layouts):
         label = (name, layouts[k - 1].short() if k else "-", layout.short())
-        more, saved = _move(build, batch, world, saved, layout, f"{path}/{k - 1}", f"{path}/{k}", label)
+        more, saved, pm = _move(build, batch, world, saved, layout, f"{path}/{k - 1}", f"{path}/{k}", label)
         failures += more
-    return failures
+    return failures, pm
 
 
 def _meta_worker_part(world: int, path: str, layout) -> list:
-    """A meta-built model filled from a one-device checkpoint under ``layout`` trains like the
-    model built whole (loss, gradients and parameters, 2 SGD steps)."""
+    """A meta-built model filled under ``layout`` from a one-device checkpoint trains like the
+    model built whole (loss, gradients and parameters, 2 SGD steps): through DCP where
+    ``path`` is a DCP directory, else through `load_full_state_dict` of the one-device
+    ``state_dict()`` (which must mark the model loaded)."""
     import torch.distributed.checkpoint as dcp
     from parity_checks import sgd, train_and_compare
 
     import autopar
+    from autopar.execution.state_dict import load_full_state_dict
 
     batch = fused_batch()
     pm = autopar.parallelize(fused_lm(device="meta"), world, example_inputs=batch, layout=layout)
-    state = pm.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    pm.load_state_dict(state)
-    return train_and_compare(pm, fused_lm(seed=3), batch, ("meta", layout.short()), steps=2,
-                             optimizers=(sgd,))
+    if path:
+        state = pm.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        pm.load_state_dict(state)
+    else:
+        load_full_state_dict(pm, fused_lm(seed=3).state_dict())
+    return train_and_compare(pm, fused_lm(seed=3), batch, ("meta", layout.short(), path or "whole"),
+                             steps=2, optimizers=(sgd,))
 
 
-def _two_rank_worker(rank: int, world: int, path: str, one_device: str) -> list:
+def _error_checks(pm) -> list:
+    """A one-device state dict with a key missing, an extra key, another shape or another
+    prefix is an InputError naming the key and the fix."""
+    import autopar
+    from autopar.execution.state_dict import full_state_dict, load_full_state_dict
+
+    whole = full_state_dict(pm)
+    first = sorted(whole)[0]
+    cases = {"missing": ({k: v for k, v in whole.items() if k != first}, [first, "fix"]),
+             "extra": ({**whole, "stray.weight": torch.zeros(2)}, ["stray.weight", "fix"]),
+             "shape": ({**whole, first: torch.zeros(3, 5)}, [first, "(3, 5)", "fix"]),
+             "prefix": ({"model." + k: v for k, v in whole.items()}, ["model." + first, "prefix"])}
+    failures = []
+    for case, (sd, words) in cases.items():
+        try:
+            load_full_state_dict(pm, sd)
+            failures.append((case, "accepted"))
+        except autopar.InputError as exc:
+            if not all(w in str(exc) for w in words):
+                failures.append((case, "unhelpful error", str(exc)))
+    return failures
+
+
+def _two_rank_worker(rank: int, world: int, path: str) -> list:
     import autopar
 
     L = autopar.Layout
     layouts = [L(dp=2, zero=3), L(tp=2), L(pp=2, grad_accum=2), L(dp=2, zero=1, fp8="all"), L(tp=2, sp=True)]
-    failures = _chain(fused_lm, fused_batch(), world, layouts, f"{path}/fused", "fused-lm")
-    failures += _meta_worker_part(world, one_device, L(tp=2))
+    failures, last = _chain(fused_lm, fused_batch(), world, layouts, f"{path}/fused", "fused-lm")
+    failures += _error_checks(last)
+    failures += _meta_worker_part(world, "", L(tp=2))
     return failures
 
 
 def test_checkpoints_move_between_plans(tmp_path):
     """2 ranks, 4 moves of the model of our own (ZeRO-3 -> TP (fused parts) -> pp=2 ->
-    ZeRO-1 + FP8 -> TP+SP), parameters and AdamW state, both ways; and a meta model filled
-    under TP."""
+    ZeRO-1 + FP8 -> TP+SP), parameters and AdamW state, both ways; a meta model filled under
+    TP from the one-device state dict; bad state dicts refused with the key named."""
+    assert spawn(_two_rank_worker, 2, args=(str(tmp_path),), timeout_s=600) == [[], []]
+
+
+def _models():
+    from autopar import models
+
+    return [("fused-lm", fused_lm, fused_batch(8)),
+            ("tiny-gpt2", lambda seed: models.build("tiny-gpt2", seed=seed),
+             models.example_inputs("tiny-gpt2", batch=8, seq=16))]
+
+
+def _world_worker(rank: int, world: int, path: str, start: int, layouts: list[dict], one_device: str) -> list:
+    """Moves ``start``, ``start + 1``, ... of the world-size chain on ``world`` ranks: the state
+    before comes from the previous launch's files (DCP directory and the whole state)."""
+    import torch.distributed as dist
+
+    import autopar
+
+    failures = []
+    for name, build, batch in _models():
+        saved = torch.load(f"{path}/{name}/full{start - 1}.pt") if start else None
+        for j, degrees in enumerate(layouts):
+            k, layout = start + j, autopar.Layout(**degrees)
+            label = (name, f"{world} ranks", layout.short())
+            more, saved, _ = _move(build, batch, world, saved, layout, f"{path}/{name}/{k - 1}",
+                                f"{path}/{name}/{k}", label)
+            failures += more
+        if rank == 0:
+            torch.save(saved, f"{path}/{name}/full{start + len(layouts) - 1}.pt")
+        dist.barrier()
+    if one_device:
+        failures += _meta_worker_part(world, one_device, autopar.Layout(dp=2, tp=2))
+    return failures
+
+
+@pytest.mark.slow
+def test_checkpoints_move_across_world_sizes(tmp_path):
+    """4 ranks (ZeRO-3, then dp2 x tp2 with fused parts: the move that lost the fused weights)
+    -> 2 ranks (pp=2) -> 1 rank -> 2 ranks (TP+SP) -> 4 ranks (dp2 x tp2, ZeRO-1), each launch
+    reading the last one's checkpoint: the model of our own and the zoo's GPT-2 (fused qkv,
+    tied embedding and head), parameters and AdamW state bit-equal after every move; and a
+    meta model filled under dp2 x tp2 trains like the model built whole."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(fused_lm(seed=3).state_dict(), checkpoint_id=tmp_path / "one", no_dist=True)
-    assert spawn(_two_rank_worker, 2, args=(str(tmp_path), str(tmp_path / "one")), timeout_s=600) == [[], []]
+    for name in ("fused-lm", "tiny-gpt2"):
+        (tmp_path / name).mkdir()
+    launches = [(4, [{"dp": 4, "zero": 3}, {"dp": 2, "tp": 2}]), (2, [{"pp": 2, "grad_accum": 2}]),
+                (1, [{}]), (2, [{"tp": 2, "sp": True}]), (4, [{"dp": 2, "tp": 2, "zero": 1}])]
+    start = 0
+    for world, layouts in launches:
+        one = str(tmp_path / "one") if start + len(layouts) == 7 else ""
+        results = spawn(_world_worker, world, args=(str(tmp_path), start, layouts, one), timeout_s=900)
+        assert results == [[]] * world, (world, layouts)
+        start += len(layouts)
