@@ -82,3 +82,20 @@ def test_forward_capture_is_the_eval_mode_model():
     for node in graph.gm.graph.nodes:
         if node.target is torch.ops.aten.mean.dim:
             assert list(node.args[1]) == list(range(node.args[0].meta["val"].dim()))
+
+
+def test_forward_capture_applies_the_loss_fn_to_the_last_input():
+    model = _net().eval()
+    x, y = torch.randn(5, 4), torch.randn(5, 1)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    graph = capture_forward(model, params, buffers, (x, y), loss_fn=F.l1_loss)
+    (loss,) = graph.gm(*params.values(), *buffers.values(), x, y)
+    torch.testing.assert_close(loss, F.l1_loss(model(x), y))
+
+
+def test_evaluation_under_a_pipeline_names_the_fix():
+    from autopar.execution.evaluation import refuse_pipeline
+
+    refuse_pipeline(1)
+    with pytest.raises(InputError, match=r"(?s)pp=2.*pm.full_state_dict\(\).*without pp"):
+        refuse_pipeline(2)
