@@ -407,6 +407,9 @@ def _view_dim(src: tuple, out: tuple, d: int) -> int | None:
     """The dim of ``out`` the batch dim ``d`` of ``src`` becomes, with the batch its outermost
     factor (so the pieces stay contiguous chunks of it); None if the view mixes it otherwise."""
     before = math.prod(src[:d])
+    for j in range(len(out)):  # the same size at the same offset: the batch kept as it is
+        if math.prod(out[:j]) == before and out[j] == src[d]:
+            return j
     for j in range(len(out)):
         if math.prod(out[:j]) == before and out[j] != 1:
             return j if out[j] % src[d] == 0 or src[d] % out[j] == 0 else None
@@ -488,10 +491,15 @@ def _model_op(node: fx.Node, kinds: dict, batch: int, loose: bool = False) -> Ki
     rhs = {aten.mm.default: 1, aten.addmm.default: 2, aten.matmul.default: 1}.get(node.target)
     if rhs is not None and isinstance(node.args[rhs], fx.Node) and kinds[node.args[rhs]] != _U:
         return _x(node, f"{node.target} multiplies two per-sample values: it mixes the samples")
+    if node.target in (aten.bmm.default, aten.baddbmm.default) and any(
+            isinstance(i, fx.Node) and kinds[i] != _U and kinds[i].dim != 0 for i in node.args[-2:]):
+        return _x(node, f"{node.target} multiplies across the samples of the batch")
     if any(isinstance(k, list) or k.kind != "B" and k.kind != "U" for k in ins):
         return _x(node, f"{node.target} of a value reduced over the batch")
-    if any(k.kind == "B" and (k.dim != 0 or k.dens) for k in ins):
-        return _x(node, f"{node.target} of per-sample values whose batch is not on dim 0")
+    if any(k.kind == "B" and k.dens for k in ins):
+        return _x(node, f"{node.target} of per-sample values divided by a batch sum")
+    # per-sample values whose batch is not on dim 0 (attention's heads first): the model's own
+    loose = loose or any(k.kind == "B" and k.dim != 0 for k in ins)
     val = node.meta.get("val")
     vals = list(val) if isinstance(val, (tuple, list)) else [val]
     out = []
