@@ -225,7 +225,9 @@ def _shape(node) -> tuple | None:
 def _kind(node: fx.Node, kinds: dict, kinds_in: dict, batch: int, has_param: dict):
     """The kind of ``node`` from its inputs' (a list of kinds for a multi-output op)."""
     if node.op == "placeholder":
-        return Kind("B", 0) if kinds_in.get(node.name, ("",))[0] == "input" else _U
+        # one row per piece: its dims cannot be told apart by size, and need not be (every
+        # value is one sample's); reductions take dim 0 as the batch's
+        return Kind("B", 0, loose=batch == 1) if kinds_in.get(node.name, ("",))[0] == "input" else _U
     if node.op != "call_function":
         return _U
     ins = [kinds[i] for i in node.all_input_nodes]
@@ -507,7 +509,7 @@ def _model_op(node: fx.Node, kinds: dict, batch: int, loose: bool = False) -> Ki
         # rows that are not the batch's (a mixture-of-experts capacity buffer) are the model's
         # own business, as under data parallelism; a scalar is a reduction over everything
         ok = isinstance(v, torch.Tensor) and v.dim() > 0
-        mixed = loose or (ok and v.shape[0] % batch != 0)
+        mixed = loose or batch == 1 or (ok and v.shape[0] % batch != 0)
         out.append(Kind("B", 0, loose=mixed) if ok else _x(node, f"{node.target} reduces over the whole batch"))
     return out if isinstance(val, (tuple, list)) else out[0]
 

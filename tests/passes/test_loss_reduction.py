@@ -212,3 +212,16 @@ def test_linear_combinations_of_ratios_split_exactly(coefs, pieces, seed):
     if not any(coefs):
         coefs = [1.0, 0.0, 0.0, 0.0]
     _check(Mix("ce"), _batch(seed), pieces)
+
+
+@pytest.mark.parametrize("loss", ["masked", "smooth", "mse", "sum", "two"])
+def test_one_row_per_piece_splits_exactly(loss):
+    """A piece of one row: sizes cannot tell its dims apart, the split is exact all the same."""
+    torch.manual_seed(0)
+    assert _check(Net(loss), _batch(2), pieces=8) == MODES[loss]
+
+
+@pytest.mark.parametrize("loss", ["squared", "max", "log_mean", "ratio_plus_scaled_sum"])
+def test_one_row_per_piece_still_refuses(loss):
+    graph = capture(Net(loss), _batch(1, b=1))
+    assert analyze_loss(graph.gm, _signature(graph)).mode == "unproven"
