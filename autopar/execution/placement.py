@@ -1,4 +1,10 @@
-"""The plan's parameter placements as DTensors: each rank holds only its shards."""
+"""The plan's parameter placements as DTensors: each rank holds only its shards.
+
+Where a rank's values sit in the whole tensor (`local_indices`) is also what a checkpoint
+needs: importing this module teaches torch.distributed.checkpoint to save and load a DTensor
+whose local tensor is several boxes of the whole (`dcp_chunks`: a fused projection's
+``_StridedShard`` over TP), which torch describes as one box at the wrong rows.
+"""
 
 from __future__ import annotations
 

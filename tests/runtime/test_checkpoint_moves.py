@@ -372,3 +372,31 @@ def test_checkpoints_move_across_world_sizes(tmp_path):
         results = spawn(_world_worker, world, args=(str(tmp_path), start, layouts, one), timeout_s=900)
         assert results == [[]] * world, (world, layouts)
         start += len(layouts)
+
+
+_FOUR_RANK_PLANS = [{"dp": 4}, {"dp": 4, "zero": 1}, {"dp": 4, "zero": 2}, {"dp": 4, "zero": 3},
+                    {"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "zero": 3}, {"dp": 2, "tp": 2, "sp": True},
+                    {"tp": 4}, {"dp": 2, "pp": 2, "grad_accum": 2}, {"tp": 2, "pp": 2, "grad_accum": 2},
+                    {"dp": 4, "fp8": "all"}]
+
+
+def _random_chain_worker(rank: int, world: int, path: str, plans: list[dict]) -> list:
+    import autopar
+
+    layouts = [autopar.Layout(**degrees) for degrees in plans]
+    return _chain(fused_lm, fused_batch(8), world, layouts, path, "fused-lm")[0]
+
+
+@pytest.mark.slow
+@settings(derandomize=True, max_examples=1, deadline=None)
+@given(st.lists(st.sampled_from(range(len(_FOUR_RANK_PLANS))), min_size=7, max_size=7).filter(
+    lambda seq: all(a != b for a, b in zip(seq, seq[1:]))))
+def test_checkpoints_move_between_random_plan_pairs(seq):
+    """Random plan pairs on 4 ranks, drawn up front (one launch): a chain of 7 plans from
+    DP, ZeRO-1/2/3, dp x tp (fused parts, with ZeRO-3, with SP), tp=4, pipelines with dp or
+    tp, FP8: each of its 6 moves keeps parameters and AdamW state bit-equal."""
+    import tempfile
+
+    plans = [_FOUR_RANK_PLANS[i] for i in seq]
+    with tempfile.TemporaryDirectory() as path:
+        assert spawn(_random_chain_worker, 4, args=(path, plans), timeout_s=1500) == [[]] * 4, plans
