@@ -179,6 +179,19 @@ def regimes(runs: Sequence[PublishedRun], tps: np.ndarray, memory: np.ndarray,
     return out
 
 
+def quick_subset(runs: Sequence[PublishedRun], shapes: int = 2) -> list[PublishedRun]:
+    """The runs of each source's ``shapes`` smallest model shapes (by layers * hidden^2), at
+    each shape's most common sequence length: every source, a few captures."""
+    keep = set()
+    for src in {r.source for r in runs}:
+        mine = [r for r in runs if r.source == src]
+        sizes = sorted({(r.config.n_layers * r.config.hidden ** 2, r.model) for r in mine})
+        for _, model in sizes[:shapes]:
+            seqs = [r.seq for r in mine if r.model == model]
+            keep.add((model, max(set(seqs), key=seqs.count)))
+    return [r for r in runs if (r.model, r.seq) in keep]
+
+
 def _playbook_params() -> CostParams:
     """The parameters of the shipped ``h100-efa`` fit (the defaults while it is absent)."""
     return load_profile(H100_EFA_FIT).params if H100_EFA_FIT.exists() else CostParams()
@@ -188,15 +201,15 @@ def run_published_bench(path: str | Path | None = None, max_evals: int = 40,
                         quick: bool = False,
                         progress: Callable[[str], None] | None = print) -> dict:
     """Every row of the module docstring on the file at ``path`` (the shipped copy by default).
-    ``quick``: only the runs at 2,048 tokens or fewer per sequence and fewer evaluations (a
-    smoke run: every source still held out once)."""
+    ``quick``: `quick_subset` and fewer evaluations (a smoke run: every source still held out
+    once)."""
     t0 = time.perf_counter()
     say = progress or (lambda _: None)
     every = read_published(path or DEFAULT_RUNS)
     runs = [r for r in every if not r.skip]
     skipped = [r for r in every if r.skip]
     if quick:
-        runs = [r for r in runs if r.seq <= 2048]
+        runs = quick_subset(runs)
         max_evals = min(max_evals, 14)
     start = _playbook_params()
     pricer = PublishedPricer(start, progress=say)

@@ -11,6 +11,7 @@ from autopar.bench.published import (
     TARGETS,
     PublishedPricer,
     format_published_bench,
+    quick_subset,
     run_published_bench,
     scores,
     textbook_price,
@@ -154,3 +155,10 @@ def test_leave_one_source_out_bench(tmp_path):
     for needle in ("(held out)", "(in-sample)", "skipped rows", "fitted without Src A",
                    "acceptance of issue 27", "by regime"):
         assert needle in text
+
+
+def test_quick_keeps_every_source_with_its_smallest_shapes():
+    runs = [r for r in read_published(_file_cached()) if not r.skip]
+    quick = quick_subset(runs, shapes=1)
+    assert {r.source for r in quick} == {r.source for r in runs}
+    assert len({(r.model, r.seq) for r in quick}) == 3
