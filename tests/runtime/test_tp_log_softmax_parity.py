@@ -11,6 +11,7 @@ log-probabilities directly is wrong if that sum is taken over one rank's shard o
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from parity_checks import sgd, train_and_compare
@@ -72,23 +73,31 @@ class ZooLM(nn.Module):
         return self.loss(self.lm(ids), labels)
 
 
-def _worker(rank: int, world: int) -> list[tuple]:
+def _worker(rank: int, world: int, cases: list[tuple[str, str]]) -> list[tuple]:
     import autopar
+
     failures = []
-    for name, loss in LOSSES.items():
-        for make in (PlainLM, ZooLM):
-            model = make(loss)
-            vocab = model.lm.config.vocab if make is ZooLM else VOCAB
-            g = torch.Generator().manual_seed(1)
-            ids = torch.randint(0, vocab, (4, 16), generator=g)
-            labels = torch.randint(0, vocab, (4, 16), generator=g)
-            ref = copy.deepcopy(model)
-            pm = autopar.parallelize(model, world, example_inputs=(ids, labels),
-                                     layout=autopar.Layout(dp=1, tp=world))
-            failures += train_and_compare(pm, ref, (ids, labels), (make.__name__, name), steps=2,
-                                          optimizers=(sgd,))
+    for model_name, loss_name in cases:
+        make = {"PlainLM": PlainLM, "ZooLM": ZooLM}[model_name]
+        model = make(LOSSES[loss_name])
+        vocab = model.lm.config.vocab if make is ZooLM else VOCAB
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, vocab, (4, 16), generator=g)
+        labels = torch.randint(0, vocab, (4, 16), generator=g)
+        ref = copy.deepcopy(model)
+        pm = autopar.parallelize(model, world, example_inputs=(ids, labels),
+                                 layout=autopar.Layout(dp=1, tp=world))
+        failures += train_and_compare(pm, ref, (ids, labels), (model_name, loss_name), steps=2,
+                                      optimizers=(sgd,))
     return failures
 
 
 def test_log_softmax_losses_match_one_device_under_tp():
-    assert spawn(_worker, 2, timeout_s=900) == [[], []]
+    cases = [("PlainLM", loss) for loss in LOSSES] + [("ZooLM", "gather")]
+    assert spawn(_worker, 2, (cases,), timeout_s=900) == [[], []]
+
+
+@pytest.mark.slow
+def test_log_softmax_losses_of_the_zoo_match_one_device_under_tp():
+    cases = [("ZooLM", "label_smoothing"), ("ZooLM", "entropy_bonus")]
+    assert spawn(_worker, 2, (cases,), timeout_s=900) == [[], []]
