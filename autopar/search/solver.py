@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from autopar.errors import AutoparError
+from autopar.search.batch import small_batch_note
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
@@ -269,6 +270,11 @@ def solve(
         "evaluated": stats["fit"],  # every layout that fits is priced
         "manual_best": {k: (v[0].short(), v[1].step_time_s) if v else None for k, v in manual.items()},
     })
+    note = small_batch_note(base.batch, base.seq, cluster, layout.short(), pred.tokens_per_s_per_gpu)
+    if note:
+        stats["batch_note"] = note  # `Plan.solve["batch_note"]`: the batch leaves devices idle
+        if progress:
+            progress(f"note: {note}")
     if progress:
         progress(f"done in {stats['time_s']:.1f} s: {layout.short()}")
     return Solution(layout, pred, facts, manual, stats)
