@@ -123,12 +123,12 @@ def _zero(where: str, text: str) -> tuple[int, bool]:
     low = text.lower()
     if not low:
         return 1, True
+    if low[0] in "0123":  # a stated stage first: "1 (...; table FSDP=0)" is ZeRO-1
+        return int(low[0]), False
     if "shard_grad_op" in low:
         return 2, False
-    if "fsdp" in low or low.startswith("3"):
+    if "fsdp" in low:
         return 3, False
-    if low[0] in "012":
-        return int(low[0]), False
     raise RunsError(f"{where}: zero_or_fsdp={text!r} is not understood; write 0, 1, 2, 3, "
                     "'fsdp (FULL_SHARD)' or 'fsdp (SHARD_GRAD_OP)'")
 

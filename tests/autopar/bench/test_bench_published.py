@@ -85,7 +85,8 @@ def test_reader_converts_metrics_and_marks_assumptions(tmp_path):
               recompute="full")
     step = _row(measured_metric="step_time_s", measured_value="2.0", zero_or_fsdp="", sp="",
                 recompute="")
-    fp8 = _row(precision="fp8 (current scaling)", zero_or_fsdp="1 (distributed optimizer)")
+    fp8 = _row(precision="fp8 (current scaling)",
+               zero_or_fsdp="1 (recipe default distributed optimizer; table FSDP=0)")
     r_hw, r_step, r_fp8 = read_published(_write(tmp_path, [hw, step, fp8]))
     L, h, s, V = 2, 64, 64, 128  # Narayanan's eq. 3: F per token = 96 l h^2 (1 + s/6h + V/16lh)
     assert r_hw.tok_s_gpu == pytest.approx(100e12 / (96 * L * h * h * (1 + s / (6 * h)
