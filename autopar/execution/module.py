@@ -153,6 +153,39 @@ class ParallelModule(nn.Module):
         buffers = dict(self.named_buffers())
         return run_step(self._rank_graph, params, buffers, local)
 
+    def profile_step(self, *batch: torch.Tensor, path: str = "step.json") -> dict[str, float]:
+        """One forward + backward under torch.profiler: writes its Chrome trace to ``path``,
+        each event tagged with its track of the predicted timeline (`autopar.planning.measured`:
+        compute, communication, pipeline p2p), and returns {"compute_s", "communication_s",
+        "total_s", "loss"}: total_s the step's wall time, communication_s the union of the
+        collectives' intervals on this rank, compute_s the rest. Every rank calls it (the step
+        runs collectives; each writes its own ``path``); it leaves the step's gradients."""
+        import json
+        import time
+        from pathlib import Path
+
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        from autopar.planning.measured import label_trace
+
+        if not self.training:
+            raise InputError("profile_step profiles a training step but the module is in eval "
+                             "mode; fix: call pm.train() first")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            with record_function("autopar forward"):
+                loss = self(*batch)
+            with record_function("autopar backward"):
+                loss.backward()
+            total = time.perf_counter() - t0
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(Path(path).read_text())
+        comm = min(label_trace(trace)["communication_s"], total)
+        Path(path).write_text(json.dumps(trace))
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return {"compute_s": total - comm, "communication_s": comm, "total_s": total,
+                "loss": float(value.detach())}
+
     def _bind(self, batch: tuple, named: dict) -> tuple:
         """Positional inputs, in the captured order, from keyword arguments bound to the
         original forward's signature; `InputError` naming its parameters otherwise."""

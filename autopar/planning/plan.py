@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from autopar.errors import InputError
 from autopar.report import fmt_bytes, fmt_count, fmt_time, json_ready, table
@@ -252,6 +253,24 @@ class Plan:
         return [label, layout.short(), fmt_time(pred.step_time_s), fmt_time(tb["compute_s"] + tb["recompute_s"]),
                 fmt_time(comm), fmt_time(tb["pp_bubble_s"]),
                 f"{fmt_bytes(pred.memory_per_device_bytes)} ({verdict})", f"{ratio:.2f}x time"]
+
+    def trace(self, path) -> Path:
+        """Write the predicted step as Chrome trace-event JSON (Perfetto, chrome://tracing):
+        one process per pipeline stage, one track per stream (compute, each collective kind,
+        point-to-point), micro-batch by micro-batch under the schedule; its span is
+        ``predicted.step_time_s`` (`autopar.planning.timeline`). Returns the path."""
+        from autopar.planning.timeline import write_trace
+
+        return write_trace(self, path)
+
+    def report(self, path, measured=None) -> Path:
+        """Write one self-contained HTML report (`autopar.planning.report_html`): the layout
+        against the manual ones, the predicted timeline, memory per stage against capacity, the
+        time split, the placements; with ``measured`` (a trace of
+        ``ParallelModule.profile_step``), predicted against measured per track."""
+        from autopar.planning.report_html import write_report
+
+        return write_report(self, path, measured)
 
     # ------------------------------------------------------------------ serialisation
     def to_json(self) -> str:
