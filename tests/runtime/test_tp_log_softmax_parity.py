@@ -1,7 +1,8 @@
 """Losses that read the vocabulary-parallel log-softmax other than through ``nll_loss`` train as
 on one device under TP: label-smoothed cross-entropy, the gather form
 ``-log_softmax(logits).gather(-1, labels).mean()`` (RL and preference losses) and cross-entropy
-plus an entropy bonus. Loss, every gradient and the parameters after 2 SGD steps match one
+plus an entropy bonus, class weights with label smoothing over padded labels plus an unreduced
+cross-entropy. Loss, every gradient and the parameters after 2 SGD steps match one
 device (fp32, rtol 1e-5) under tp=2 (dp=1) for a plain-PyTorch LM and the zoo's tiny Llama.
 
 Under TP the logits are sharded over the vocabulary; the log-softmax's backward
@@ -38,7 +39,18 @@ def entropy_bonus(logits, labels):
     return F.cross_entropy(flat, labels.reshape(-1)) - 0.01 * entropy
 
 
-LOSSES = {"label_smoothing": smoothed, "gather": gathered, "entropy_bonus": entropy_bonus}
+def weighted_unreduced(logits, labels):
+    """Class weights with label smoothing over padded labels, plus an unreduced CE summed."""
+    vocab = logits.shape[-1]
+    flat, labels = logits.reshape(-1, vocab), labels.reshape(-1)
+    labels = labels.masked_fill(labels % 5 == 0, -100)
+    weight = torch.linspace(0.5, 1.5, vocab, device=logits.device)
+    smoothed = F.cross_entropy(flat, labels, weight=weight, label_smoothing=0.1)
+    return smoothed + F.cross_entropy(flat, labels, reduction="none").sum() / labels.numel()
+
+
+LOSSES = {"label_smoothing": smoothed, "gather": gathered, "entropy_bonus": entropy_bonus,
+          "weighted_unreduced": weighted_unreduced}
 
 
 class PlainLM(nn.Module):
@@ -99,5 +111,5 @@ def test_log_softmax_losses_match_one_device_under_tp():
 
 @pytest.mark.slow
 def test_log_softmax_losses_of_the_zoo_match_one_device_under_tp():
-    cases = [("ZooLM", "label_smoothing"), ("ZooLM", "entropy_bonus")]
+    cases = [("ZooLM", "label_smoothing"), ("ZooLM", "entropy_bonus"), ("ZooLM", "weighted_unreduced")]
     assert spawn(_worker, 2, (cases,), timeout_s=900) == [[], []]
