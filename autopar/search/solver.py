@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from autopar.errors import AutoparError
 from autopar.search.batch import small_batch_note
+from autopar.search.bound import cannot_beat, step_time_lower_bound
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
@@ -138,17 +139,15 @@ def search(
     executable_only: bool = False,
     precision: str | None = None,
     recompute: tuple[str, ...] = ("auto",),
+    prune: bool = True,
 ) -> tuple[Layout | None, Prediction | None, StepFacts | None, dict]:
-    """Best fitting layout, its prediction and cost facts, and search statistics."""
-    best: tuple[Layout, Prediction, StepFacts, str] | None = None
+    """Best fitting layout, its prediction and cost facts, and search statistics.
+
+    prune: skip the layouts whose compute alone cannot beat the best found so far
+    (`autopar.search.bound`: a proven lower bound, so the answer is the un-pruned search's);
+    False prices every layout (the reference the tests compare with)."""
     base = step.facts()
-    stats = {"considered": 0, "fit": 0, "cross_node_tp": False}
-    smallest: list[tuple[float, Layout]] = []  # for the infeasible report
-    capacity = cluster.gpu.memory_bytes
-    resharded: dict[Layout, Prediction] = {}  # ZeRO-3 layouts that fit, for their kept twins
-    regathered: dict[Layout, Prediction] = {}  # TP+SP layouts that recompute, for their kept twins
-    # else a regather is free (only with overlap_slowdown 0: every default profile prices twins)
-    keeping_gathers_may_pay = regather_exposed_share(cluster) > 0
+    state = _SearchState(cluster, prune)
     last_report = time.perf_counter()
     for cross in (False, True):
         for tp in tp_degrees(base, cluster, cross):
@@ -156,51 +155,107 @@ def search(
             for recipe_name, facts in variants:
                 for layout in candidate_layouts(facts, cluster, [tp], allow_fp8=allow_fp8,
                                                 precision=precision, recompute=recompute):
-                    stats["considered"] += 1
+                    state.stats["considered"] += 1
                     if executable_only and unsupported_decisions(layout):
                         continue  # autopar.parallelize searches only what it runs
                     if layout.pp > 1 and cluster.gpu.is_cpu:
                         continue  # see the note above search()
-                    if not layout.reshard and not _keeping_may_pay(resharded.get(dataclasses.replace(
-                            layout, reshard=True)), cluster):
-                        continue
-                    if not layout.regather and (not keeping_gathers_may_pay or dataclasses.replace(
-                            layout, regather=True) not in regathered):
-                        continue  # its twin did not fit or regathered nothing: keeping cannot pay
-                    try:
-                        check_layout(facts, cluster, layout)
-                    except LayoutError:
-                        continue
-                    mem = predict_memory(facts, cluster, layout, check=False)
-                    if mem.total > capacity:
-                        smallest.append((mem.total, layout))
-                        if len(smallest) > 64:
-                            smallest = sorted(smallest, key=lambda x: x[0])[:8]
-                        continue
-                    stats["fit"] += 1
-                    pred = predict(facts, cluster, layout, memory=mem)
-                    if layout.zero == 3 and layout.reshard:
-                        resharded[layout] = pred
-                    if layout.sp and layout.regather and pred.time_breakdown["recompute_s"] > 0:
-                        regathered[layout] = pred
-                    if best is None or pred.step_time_s < best[1].step_time_s - 1e-12:
-                        best = (layout, pred, facts, recipe_name)
+                    state.visit(facts, layout, recipe_name)
+                    best = state.best
                     if progress and best and time.perf_counter() - last_report > 1.0:
                         last_report = time.perf_counter()
                         progress(
-                            f"  searched {stats['considered']:,} layouts, {stats['fit']:,} fit; best "
-                            f"{best[0].short()} at {best[1].step_time_s:.3g} s/step"
+                            f"  searched {state.stats['considered']:,} layouts, "
+                            f"{state.stats['fit']:,} fit; best {best[0].short()} at "
+                            f"{best[1].step_time_s:.3g} s/step"
                         )
-        if best is not None:
-            stats["cross_node_tp"] = cross
+        if state.best is not None:
+            state.stats["cross_node_tp"] = cross
             break  # TP across nodes only when nothing inside a node fits
+    stats = state.stats
     stats["closest_misses"] = [
-        (m, lay.short()) for m, lay in sorted(smallest, key=lambda x: x[0])[:5]
+        (m, lay.short()) for m, lay in sorted(state.smallest, key=lambda x: x[0])[:5]
     ]
-    if best is None:
+    if state.best is None:
         return None, None, None, stats
-    stats["tp_recipe"] = best[3]
-    return best[0], best[1], best[2], stats
+    stats["tp_recipe"] = state.best[3]
+    return state.best[0], state.best[1], state.best[2], stats
+
+
+class _SearchState:
+    """The search's running best and what its pruning rules remember.
+
+    Twins: a ZeRO-3 layout that keeps the forward's gathered weights (``reshard=False``) is
+    priced only when its resharding twin fits and keeping may pay (`_keeping_may_pay`); a TP+SP
+    layout that keeps its gathers (``regather=False``) only when its regathering twin fits and
+    recomputes. A twin skipped by the bound is priced when its partner needs its price and the
+    partner's own bound does not rule the partner out (cuts under memory may differ between
+    twins, so their bounds may too)."""
+
+    def __init__(self, cluster: Cluster, prune: bool):
+        self.cluster, self.prune = cluster, prune
+        self.capacity = cluster.gpu.memory_bytes
+        self.best: tuple[Layout, Prediction, StepFacts, str] | None = None
+        self.stats = {"considered": 0, "fit": 0, "cross_node_tp": False, "pruned_by_bound": 0}
+        self.smallest: list[tuple[float, Layout]] = []  # for the infeasible report
+        self.resharded: dict[Layout, Prediction] = {}  # ZeRO-3 layouts that fit
+        self.regathered: dict[Layout, Prediction] = {}  # TP+SP layouts that fit and recompute
+        self.bounded: dict[Layout, StepFacts] = {}  # skipped by the bound (twins priced on demand)
+        # else a regather is free (only with overlap_slowdown 0: every default profile prices twins)
+        self.keeping_gathers_may_pay = regather_exposed_share(cluster) > 0
+
+    def visit(self, facts: StepFacts, layout: Layout, recipe_name: str) -> None:
+        """Price ``layout`` unless a rule shows it cannot be the answer; keep the best."""
+        if not layout.reshard:
+            twin = dataclasses.replace(layout, reshard=True)
+            if not self._twin_priced(twin, layout, facts) or not _keeping_may_pay(
+                    self.resharded.get(twin), self.cluster):
+                return
+        if not layout.regather:
+            twin = dataclasses.replace(layout, regather=True)
+            if not self.keeping_gathers_may_pay or not self._twin_priced(twin, layout, facts) \
+                    or twin not in self.regathered:
+                return  # its twin did not fit or regathered nothing: keeping cannot pay
+        try:
+            check_layout(facts, self.cluster, layout)
+        except LayoutError:
+            return
+        if self.prune and cannot_beat(step_time_lower_bound(facts, self.cluster, layout),
+                                      self.best[1].step_time_s if self.best else None):
+            self.stats["pruned_by_bound"] += 1
+            self.bounded[layout] = facts
+            return
+        pred = self._price(facts, layout)
+        if pred is not None and (self.best is None
+                                 or pred.step_time_s < self.best[1].step_time_s - 1e-12):
+            self.best = (layout, pred, facts, recipe_name)
+
+    def _twin_priced(self, twin: Layout, layout: Layout, facts: StepFacts) -> bool:
+        """False when ``layout`` cannot be the answer on its own bound; else ``twin`` priced
+        (if the bound had skipped it), so that its price decides as without pruning."""
+        if twin not in self.bounded:
+            return True
+        if cannot_beat(step_time_lower_bound(facts, self.cluster, layout), self.best[1].step_time_s):
+            self.stats["pruned_by_bound"] += 1
+            return False
+        self._price(self.bounded.pop(twin), twin)
+        return True
+
+    def _price(self, facts: StepFacts, layout: Layout) -> Prediction | None:
+        """Memory first (cheap, prunes); the full price of a layout that fits, else None."""
+        mem = predict_memory(facts, self.cluster, layout, check=False)
+        if mem.total > self.capacity:
+            self.smallest.append((mem.total, layout))
+            if len(self.smallest) > 64:
+                self.smallest = sorted(self.smallest, key=lambda x: x[0])[:8]
+            return None
+        self.stats["fit"] += 1
+        pred = predict(facts, self.cluster, layout, memory=mem)
+        if layout.zero == 3 and layout.reshard:
+            self.resharded[layout] = pred
+        if layout.sp and layout.regather and pred.time_breakdown["recompute_s"] > 0:
+            self.regathered[layout] = pred
+        return pred
 
 
 def _keeping_may_pay(resharded: Prediction | None, cluster: Cluster) -> bool:
