@@ -233,11 +233,24 @@ def _recompute_choice(data: dict) -> RecomputeChoice:
 
 @functools.lru_cache(maxsize=65536)  # called per node and per layout by the search
 def block_pattern(name: str) -> str:
-    """The name a decision about a weight or module is tied under: block (and expert) indices
-    replaced by ``*`` (``layers.3.mlp.up.weight`` -> ``layers.*.mlp.up.weight``): alike blocks
-    decide alike. The plan's vocabulary for `Layout.fp8` and `Layout.recompute`, shared by the
-    cost model and the passes."""
-    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name) if name else ""
+    """The name a decision about a weight or module is tied under, so that alike blocks decide
+    alike: every block index replaced by ``*``. The plan's one naming rule for weight groups
+    (`Layout.fp8`, `Layout.recompute`, the TP ILP's role groups), shared by the cost model,
+    the strategies and the passes.
+
+    A block index is a path component made only of digits that follows a named component: it
+    indexes a ModuleList or Sequential held by a module (``layers.3.mlp.up.weight`` ->
+    ``layers.*.mlp.up.weight``, ``h.11.attn.c_attn.weight`` -> ``h.*.attn.c_attn.weight``),
+    at any depth (experts inside a block: ``layers.2.experts.3.w1`` -> ``layers.*.experts.*.w1``)
+    and at the end of a module path (``layers.3`` -> ``layers.*``). A leading index is kept:
+    it names a layer of a bare top-level ``nn.Sequential``, whose layers differ in kind
+    (``0.weight`` of a Linear, ``2.weight`` of another shape) as often as they are alike, so
+    tying them could force one role on unlike layers; a model that is a bare Sequential of
+    alike blocks gets one decision per block instead (correct, only a larger problem). A name
+    alone cannot tell alike layers from unlike ones: the indices of a Sequential inside a
+    block (``mlp.0``, ``mlp.2``) fold too.
+    """
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name) if name else ""
 
 
 fp8_group = block_pattern  # an FP8 decision is tied by weight name (passes/fp8.py)

@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from cost.plan_types import AxisGroup, GraphSignature
-from cost.plan_types import fp8_group as group_of
+from cost.plan_types import block_pattern as group_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
