@@ -428,6 +428,9 @@ def _fake_parameters(root: nn.Module, fake_mode: FakeTensorMode, dtype: torch.dt
     finally:
         for module, kind, name, tensor in saved:
             getattr(module, kind)[name] = tensor
+        for module in root.modules():  # an RNN caches its weights: point it back at the real ones
+            if isinstance(module, nn.RNNBase):
+                module._init_flat_weights()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
-"""Capture-cache keys of recurrent modules: an ``nn.GRU``'s cached flat weights hold a trace's
-stand-in tensors after a capture; the key skips them (the parameters themselves are keyed), so a
-GRU model is captured, looked up again and planned."""
+"""Capture-cache keys of recurrent modules: an ``nn.GRU`` caches its flat weights; the capture
+points them back at the real parameters, the key skips them (the parameters themselves are
+keyed), so a GRU model is captured, looked up again and planned."""
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,8 @@ def test_gru_captures_twice_with_one_key():
     graph = captured_step(model, batch, None, None)
     assert step_key(model, batch, None) == first  # the capture's leftovers change nothing
     assert captured_step(model, batch, None, None) is graph  # the second lookup hits the cache
+    flat = dict(model.gru.named_parameters())  # the module holds no trace's stand-ins
+    assert all(any(w is p for p in flat.values()) for w in model.gru._flat_weights)
     model.gru.bias = False  # an attribute still keys the graph
     assert step_key(model, batch, None) != first
 
