@@ -213,19 +213,24 @@ def render_report(plan: Plan, measured: str | Path | None = None) -> str:
         raise InputError(f"measured trace {measured}: no such file; write one with "
                          "pm.profile_step(*batch, path=...)")
     lay = plan.layout
-    figs = [("Layout and why", "The solver's layout against the best hand-written layout of each "
-             "family, on the same cost model (red: does not fit in memory).", _compare_figure(plan)),
+    why = ("The solver's layout against the best hand-written layout of each family, on the same "
+           "cost model (red: does not fit in memory)." if plan.alternatives else
+           "A layout given by hand: no alternatives were weighed (autopar.plan without a layout "
+           "compares the solver's choice with the manual families).")
+    figs = [("Layout and why", why, _compare_figure(plan)),
             ("Predicted timeline", "One step, micro-batch by micro-batch"
              + (f" under the {lay.schedule} schedule ({lay.grad_accum} micro-batches, {lay.pp} "
                 "stages; gaps are the bubble)" if lay.pp > 1 else f" ({lay.grad_accum} micro-batches)")
              + ". Red: communication the step waits on; yellow: communication hidden behind "
-             "compute. Also as a Perfetto trace: plan.trace(path).", _timeline_figure(plan)),
+             "compute. Drag to zoom, double-click to reset. Also as a Perfetto trace: "
+             "plan.trace(path).", _timeline_figure(plan)),
             ("Memory per device", "Per pipeline stage, stacked by kind, against the device's "
              "capacity.", _memory_figure(plan)),
             ("Time split", "The predicted step, term by term.", _split_figure(plan))]
     if measured is not None:
         figs.append(("Predicted against measured", f"Measured trace: {html.escape(str(measured))} "
-                     "(one forward + backward of the profiling rank).", _measured_figure(plan, measured)))
+                     "(one forward + backward of the profiling rank, under the profiler's own overhead; "
+                     "predicted: the step without its optimizer).", _measured_figure(plan, measured)))
     parts = []
     for i, (title, note, fig) in enumerate(figs):
         fig.update_layout(font=dict(size=13), paper_bgcolor="#fafafa")
