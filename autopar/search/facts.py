@@ -59,7 +59,8 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
     ext_inputs, leaves = external_bytes(graph, analysis, groups)
     saved_values = fused_saved(graph, analysis, groups) if fused else analysis.saved
     nodes = [n for n in graph.gm.graph.nodes]
-    user_inputs = [n for n in nodes if any(i.node == n.name and i.kind == "input" for i in graph.inputs)]
+    input_names = {i.node for i in graph.inputs if i.kind == "input"}
+    user_inputs = [n for n in nodes if n.name in input_names]
     batch, seq = _batch_and_seq(user_inputs)
     blocks = analysis.blocks
     n_layers = blocks.count if blocks else 0

@@ -186,6 +186,13 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     after): the contiguous cut of `cost.stages.balanced_cuts` into ``pp * v`` chunks (v virtual
     stages per rank under interleaved 1F1B, else 1) on each slot's step seconds for one
     micro-batch under ``layout`` (memoised with the node times). Chunk c runs on rank c mod pp."""
+    if layout.pp == 1 and virtual_stages(layout) == 1:
+        # one chunk holds every slot, whatever the times (the search asks this most)
+        key = ("one_chunk", max(facts.n_layers, 0))
+        if key not in facts._memo:
+            facts._memo[key] = np.zeros(max(facts.n_layers, 0) + 2, dtype=int)
+            facts._memo[key].flags.writeable = False
+        return facts._memo[key]
     layout = resolved(facts, cluster, layout)
     n_layers = max(facts.n_layers, 0)
     chunks = layout.pp * virtual_stages(layout)

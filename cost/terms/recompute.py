@@ -127,7 +127,16 @@ def rebuilt_sweep(spans: np.ndarray, layer: np.ndarray) -> tuple[np.ndarray, np.
 
 def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     """Bytes of each `SavedTable` row on one device for one micro-batch, as the caching
-    allocator holds them (`CostParams.activation_fragmentation`)."""
+    allocator holds them (`CostParams.activation_fragmentation`); memoised, read-only."""
+    key = ("local_saved", layout.tp, layout.sp, layout.microbatch, layout.cp, facts.batch,
+           cluster.params.activation_fragmentation)
+    if key not in facts._memo:
+        facts._memo[key] = _local_saved_bytes(facts, cluster, layout)
+        facts._memo[key].flags.writeable = False
+    return facts._memo[key]
+
+
+def _local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     saved, tp = facts.saved, layout.tp
     local = saved.bytes * np.where(saved.batch_dep, layout.microbatch / facts.batch / layout.cp, 1.0)
     local = local / np.where(saved.tp_div, tp, 1) / np.where(saved.sp_div & layout.sp, tp, 1)
