@@ -84,3 +84,29 @@ def test_small_batch_note_reaches_the_plan():
     inputs = models.example_inputs("tiny-llama", batch=2, seq=64, device="meta")
     result = autopar.plan(model, inputs, cluster=cluster, compare_manual=False)
     assert "too small for 8 devices" in result.solve["batch_note"]
+
+
+def test_manual_grid_keeps_its_best_under_the_bound():
+    """`best_of` skips layouts by the bound; each family's best is still the brute-force best."""
+    from autopar.search.manual import FAMILIES, best_manual, family_layouts
+    from cost.step import predict_memory
+
+    name, shape, batch, seq, cluster = CASES[1]
+    step = _step(name, batch, seq, **shape)
+    got = best_manual(step, cluster)
+    for family in FAMILIES:
+        brute = None
+        for layout in family_layouts(family, cluster, step.facts()):
+            try:
+                facts = step.facts_for(cluster, layout)
+                check_layout(facts, cluster, layout)
+            except LayoutError:
+                continue
+            if predict_memory(facts, cluster, layout, check=False).total > cluster.gpu.memory_bytes:
+                continue
+            pred = predict(facts, cluster, layout)
+            if brute is None or pred.step_time_s < brute[1].step_time_s:
+                brute = (layout, pred)
+        assert (got[family.name] is None) == (brute is None), family.name
+        if brute is not None:
+            assert got[family.name][0] == brute[0], family.name
