@@ -112,6 +112,8 @@ def test_pipeline_bubble_and_exposed_communication_are_visible(llama):
     exposed_tp = sum(s.dur_s for s in spans if s.track == "TP collectives" and s.stage == 0)
     assert exposed_tp == pytest.approx(plan.predicted.time_breakdown["tp_comm_s"], rel=1e-9)
     assert all(s.exposed for s in spans if s.track == "TP collectives")
+    # a plan read back from JSON (no captured step) draws the same timeline
+    assert predicted_spans(autopar.Plan.from_json(plan.to_json())) == spans
 
 
 class TwoHeadMLP(nn.Module):
