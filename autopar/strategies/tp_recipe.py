@@ -129,181 +129,251 @@ def find_tp_recipe(
     ``roles`` fixes the role of some weights (col, row, vocab or replicated), as the ILP of
     `tp_ilp` chooses them; the others take Megatron's role from their first use.
     """
-    kinds = {i.node: i for i in graph.inputs}
-    state: dict[str, str] = {}
-    weight_of: dict[str, str] = {}
-    flipped: dict[str, bool] = {}  # weight-derived node -> reached through an odd number of transposes
-    in_out: set[str] = set()
-    batch_dep: dict[str, bool] = {}
-    forced = dict(roles or {})
-    roles = {}
-    bias_of_col: set[str] = set()
-    sharded_mm: set[str] = set()
-    events: list[TPEvent] = []
-    gathered: set[str] = set()
+    return _Propagation(graph, analysis, roles).run()
 
-    col_mm: set[str] = set()
-    wgrad_mm: set[str] = set()
-    embed_sharded: dict = {}
-    fallback_ops: set[str] = set()
-    grouped: set[str] = set()
-    outputs_of: dict[str, tuple[str, ...]] = {}  # multi-output node -> each output's state
 
-    def forward(node) -> bool:
-        return analysis.nodes[node.name].phase == "forward"
+class _Propagation:
+    """One pass of the module docstring's rules over the graph in order: each node's state
+    (R, S or P) from its inputs', the weights' roles, and the collectives where a rule needs
+    one. A method per kind of node; each returns whether it settled the node."""
 
-    def reduce(node) -> None:
-        if state.get(node.name) == "P":
-            events.append(TPEvent(node.name, "reduce", analysis.nodes[node.name].nbytes,
-                                  batch_dep.get(node.name, False), forward(node)))
-            state[node.name] = "R"
+    def __init__(self, graph: TrainingGraph, analysis: GraphAnalysis, roles: dict[str, str] | None):
+        self.graph, self.analysis = graph, analysis
+        self.kinds = {i.node: i for i in graph.inputs}
+        self.state: dict[str, str] = {}
+        self.weight_of: dict[str, str] = {}
+        self.flipped: dict[str, bool] = {}  # weight-derived node -> reached through an odd number of transposes
+        self.in_out: set[str] = set()
+        self.batch_dep: dict[str, bool] = {}
+        self.forced = dict(roles or {})
+        self.roles: dict[str, str] = {}
+        self.bias_of_col: set[str] = set()
+        self.sharded_mm: set[str] = set()
+        self.events: list[TPEvent] = []
+        self.gathered: set[str] = set()
+        self.col_mm: set[str] = set()
+        self.wgrad_mm: set[str] = set()
+        self.embed_sharded: dict = {}
+        self.fallback_ops: set[str] = set()
+        self.grouped: set[str] = set()
+        self.outputs_of: dict[str, tuple[str, ...]] = {}  # multi-output node -> each output's state
 
-    for node in graph.gm.graph.nodes:
-        if node.op == "placeholder":
-            spec = kinds.get(node.name)
-            if spec is not None and spec.kind in ("param", "buffer"):
-                weight_of[node.name] = spec.name
-            state[node.name] = "R"
-            batch_dep[node.name] = spec is not None and spec.kind in ("input", "tangent", "zero_tangent")
-            continue
-        if node.op != "call_function":
-            continue
+    def run(self) -> TPRecipe:
+        """Visit every node in graph order, then settle the roles and weight-derived states."""
+        steps = (self._weight_passthrough, self._grouped_backward, self._getitem, self._param_matmul,
+                 self._embedding, self._embedding_backward)
+        for node in self.graph.gm.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+                continue
+            if node.op != "call_function":
+                continue
+            self.batch_dep[node.name] = any(self.batch_dep.get(i.name, False) for i in node.all_input_nodes)
+            if not any(step(node) for step in steps):
+                self._other(node)
+        return self._finish()
+
+    def forward(self, node) -> bool:
+        return self.analysis.nodes[node.name].phase == "forward"
+
+    def nbytes(self, node) -> int:
+        return self.analysis.nodes[node.name].nbytes
+
+    def reduce(self, node) -> None:
+        """A partial value reduced where a rule needs it whole."""
+        if self.state.get(node.name) == "P":
+            self.events.append(TPEvent(node.name, "reduce", self.nbytes(node),
+                                       self.batch_dep.get(node.name, False), self.forward(node)))
+            self.state[node.name] = "R"
+
+    def gather(self, node, batch_dependent: bool, forward: bool, replicated_use: bool = False) -> None:
+        """A value gathered: into a column matmul (an SP gather), or, ``replicated_use``, a
+        sharded value for a use that needs it whole (with or without SP)."""
+        self.events.append(TPEvent(node.name, "gather", self.nbytes(node), batch_dependent, forward,
+                                   replicated_use))
+
+    def _placeholder(self, node) -> None:
+        spec = self.kinds.get(node.name)
+        if spec is not None and spec.kind in ("param", "buffer"):
+            self.weight_of[node.name] = spec.name
+        self.state[node.name] = "R"
+        self.batch_dep[node.name] = spec is not None and spec.kind in ("input", "tangent", "zero_tangent")
+
+    def _weight_passthrough(self, node) -> bool:
+        """A view or cast of a weight: it follows its weight."""
         ins = node.all_input_nodes
-        batch_dep[node.name] = any(batch_dep.get(i.name, False) for i in ins)
+        if not (node.target in _WEIGHT_PASSTHROUGH and len(ins) == 1 and ins[0].name in self.weight_of):
+            return False
+        self.weight_of[node.name] = self.weight_of[ins[0].name]
+        self.flipped[node.name] = self.flipped.get(ins[0].name, False) != _transposes(node)
+        self.state[node.name] = "R"
+        return True
+
+    def _grouped_backward(self, node) -> bool:
+        """The experts' grouped backward (X, W, offs, dY) -> (dX, dW)."""
+        if not is_grouped_backward(node):
+            return False
+        x, w, _, dy = node.args[:4]
+        self.reduce(dy)
+        role = self.roles.get(self.weight_of.get(w.name, ""), REPLICATED)
+        self.outputs_of[node.name] = _GROUPED_BACKWARD_STATES.get(role, ("R", "R"))
+        self.state[node.name] = "S" if role in (COL, ROW) else "R"
+        if role in (COL, ROW):
+            self.sharded_mm.add(node.name)
+            self.wgrad_mm.add(node.name)
+        for i in (x, dy):  # a replicated expert weight needs its inputs whole
+            if role not in (COL, ROW) and self.state.get(i.name) == "S" and self.batch_dep.get(i.name):
+                self.gather(i, True, False, True)
+        return True
+
+    def _getitem(self, node) -> bool:
+        """One output of a multi-output node: its own state."""
+        ins = node.all_input_nodes
+        if not (node.target is operator.getitem and ins and ins[0].name in self.outputs_of):
+            return False
+        self.state[node.name] = self.outputs_of[ins[0].name][node.args[1]]
+        return True
+
+    def _param_matmul(self, node) -> bool:
+        """A matmul with exactly one weight operand: its role (forced, or Megatron's from the
+        input's state) and the output's state."""
         target = node.target
-        if target in _WEIGHT_PASSTHROUGH and len(ins) == 1 and ins[0].name in weight_of:
-            weight_of[node.name] = weight_of[ins[0].name]
-            flipped[node.name] = flipped.get(ins[0].name, False) != _transposes(node)
-            state[node.name] = "R"
-            continue
-        if is_grouped_backward(node):  # (X, W, offs, dY) -> (dX, dW)
-            x, w, _, dy = node.args[:4]
-            reduce(dy)
-            role = roles.get(weight_of.get(w.name, ""), REPLICATED)
-            outputs_of[node.name] = _GROUPED_BACKWARD_STATES.get(role, ("R", "R"))
-            state[node.name] = "S" if role in (COL, ROW) else "R"
-            if role in (COL, ROW):
-                sharded_mm.add(node.name)
-                wgrad_mm.add(node.name)
-            for i in (x, dy):  # a replicated expert weight needs its inputs whole
-                if role not in (COL, ROW) and state.get(i.name) == "S" and batch_dep.get(i.name):
-                    events.append(TPEvent(i.name, "gather", analysis.nodes[i.name].nbytes, True,
-                                          False, True))
-            continue
-        if target is operator.getitem and ins and ins[0].name in outputs_of:
-            state[node.name] = outputs_of[ins[0].name][node.args[1]]
-            continue
-        if target in _PARAM_MATMULS or is_grouped_forward(node):
-            operands = list(node.args[1:3]) if target == aten.addmm.default else list(node.args[:2])
-            weights = [a for a in operands if isinstance(a, torch.fx.Node) and a.name in weight_of]
-            if len(weights) == 1:
-                w = weights[0]
-                x = operands[1] if operands[0] is w else operands[0]
-                reduce(x)
-                param = weight_of[w.name]
-                if is_grouped_forward(node):
-                    grouped.add(param)
-                if forward(node) and param not in roles and getattr(w.meta.get("val"), "ndim", 0) in (2, 3):
-                    # x @ W' reads W' as [in, out]: W is stored so unless a transpose made W'
-                    stored_in_out = (operands[1] is w) != flipped.get(w.name, False)
-                    if stored_in_out:
-                        in_out.add(param)
-                x_state = state[x.name]
-                # one output feature (Qwen2-MoE's shared-expert gate, [1, h]) cannot split over
-                # columns: replicated, or its sharded output would flip every later layer's roles
-                single = (param not in forced and param not in roles and x_state == "R"
-                          and node.meta["val"].shape[-1] == 1)
-                if forced.get(param) == REPLICATED or single:
-                    roles[param] = REPLICATED
-                    if x_state == "S":  # a replicated weight needs its whole input
-                        events.append(TPEvent(x.name, "gather", analysis.nodes[x.name].nbytes,
-                                              batch_dep.get(x.name, False), forward(node), True))
-                    state[node.name] = "R"
-                    continue
-                # forcing a role changes how the forward meets the weight; the backward's matmuls
-                # with it follow from the forward's states (as for Megatron's own roles)
-                if forced.get(param) == COL and x_state == "S" and forward(node):
-                    events.append(TPEvent(x.name, "gather", analysis.nodes[x.name].nbytes,
-                                          batch_dep.get(x.name, False), forward(node), True))
-                    x_state = "R"
-                elif forced.get(param) == ROW and x_state == "R" and forward(node):
-                    x_state = "S"  # a row-parallel weight slices a replicated input locally
-                if param in forced:
-                    roles[param] = forced[param]
-                if param not in roles:
-                    roles[param] = COL if x_state == "R" else ROW
-                    if roles[param] == COL and target == aten.addmm.default:
-                        bias = node.args[0]
-                        if isinstance(bias, torch.fx.Node) and bias.name in weight_of:
-                            bias_of_col.add(weight_of[bias.name])
-                root = analysis.nodes[x.name].storage  # q, k, v share one gathered input
-                if x_state == "R" and root not in gathered and batch_dep.get(x.name, False):
-                    gathered.add(root)
-                    events.append(TPEvent(x.name, "gather", analysis.nodes[x.name].nbytes, True,
-                                          forward(node)))
-                state[node.name] = "S" if x_state == "R" else "P"
-                sharded_mm.add(node.name)
-                if x_state == "R" and forward(node):
-                    col_mm.add(node.name)
-                continue
-        if target == aten.embedding.default:
-            w, ids = node.args[0], node.args[1]
-            if w.name in weight_of and batch_dep.get(ids.name, False):
-                roles.setdefault(weight_of[w.name], forced.get(weight_of[w.name], VOCAB))
-                sharded = roles[weight_of[w.name]] in (VOCAB, COL)
-                embed_sharded[node.meta.get("seq_nr")] = sharded
-                state[node.name] = "P" if sharded else "R"
-                continue
-            embed_sharded[node.meta.get("seq_nr")] = False  # a position table: replicated
-        if target in _EMBED_BWD:
-            # the gradient of the table its forward looked up: sharded if the table is
-            sharded = embed_sharded.get(node.meta.get("seq_nr"), True)
-            state[node.name] = "S" if sharded else "R"
-            continue
-        in_states = [state.get(i.name, "R") for i in ins]
+        if not (target in _PARAM_MATMULS or is_grouped_forward(node)):
+            return False
+        operands = list(node.args[1:3]) if target == aten.addmm.default else list(node.args[:2])
+        weights = [a for a in operands if isinstance(a, torch.fx.Node) and a.name in self.weight_of]
+        if len(weights) != 1:
+            return False
+        w = weights[0]
+        x = operands[1] if operands[0] is w else operands[0]
+        self.reduce(x)
+        param = self.weight_of[w.name]
+        if is_grouped_forward(node):
+            self.grouped.add(param)
+        if self.forward(node) and param not in self.roles and getattr(w.meta.get("val"), "ndim", 0) in (2, 3):
+            # x @ W' reads W' as [in, out]: W is stored so unless a transpose made W'
+            if (operands[1] is w) != self.flipped.get(w.name, False):
+                self.in_out.add(param)
+        if self._replicated_matmul(node, x, param):
+            return True
+        x_state = self._forced_input_state(node, x, param)
+        if param in self.forced:
+            self.roles[param] = self.forced[param]
+        if param not in self.roles:
+            self.roles[param] = COL if x_state == "R" else ROW
+            if self.roles[param] == COL and target == aten.addmm.default:
+                bias = node.args[0]
+                if isinstance(bias, torch.fx.Node) and bias.name in self.weight_of:
+                    self.bias_of_col.add(self.weight_of[bias.name])
+        root = self.analysis.nodes[x.name].storage  # q, k, v share one gathered input
+        if x_state == "R" and root not in self.gathered and self.batch_dep.get(x.name, False):
+            self.gathered.add(root)
+            self.gather(x, True, self.forward(node))
+        self.state[node.name] = "S" if x_state == "R" else "P"
+        self.sharded_mm.add(node.name)
+        if x_state == "R" and self.forward(node):
+            self.col_mm.add(node.name)
+        return True
+
+    def _replicated_matmul(self, node, x, param: str) -> bool:
+        """A weight forced replicated, or with one output feature (Qwen2-MoE's shared-expert
+        gate, [1, h]: it cannot split over columns, and a sharded output would flip every
+        later layer's roles): the matmul runs whole on a whole input."""
+        single = (param not in self.forced and param not in self.roles and self.state[x.name] == "R"
+                  and node.meta["val"].shape[-1] == 1)
+        if not (self.forced.get(param) == REPLICATED or single):
+            return False
+        self.roles[param] = REPLICATED
+        if self.state[x.name] == "S":  # a replicated weight needs its whole input
+            self.gather(x, self.batch_dep.get(x.name, False), self.forward(node), True)
+        self.state[node.name] = "R"
+        return True
+
+    def _forced_input_state(self, node, x, param: str) -> str:
+        """The input's state as a forced role meets it: forcing a role changes how the forward
+        meets the weight; the backward's matmuls with it follow from the forward's states (as
+        for Megatron's own roles)."""
+        x_state = self.state[x.name]
+        if self.forced.get(param) == COL and x_state == "S" and self.forward(node):
+            self.gather(x, self.batch_dep.get(x.name, False), self.forward(node), True)
+            return "R"
+        if self.forced.get(param) == ROW and x_state == "R" and self.forward(node):
+            return "S"  # a row-parallel weight slices a replicated input locally
+        return x_state
+
+    def _embedding(self, node) -> bool:
+        """A table looked up by batch-dependent ids: vocabulary-parallel unless forced; a
+        position table (ids not from the batch) stays replicated and falls through."""
+        if node.target != aten.embedding.default:
+            return False
+        w, ids = node.args[0], node.args[1]
+        if w.name in self.weight_of and self.batch_dep.get(ids.name, False):
+            table = self.weight_of[w.name]
+            self.roles.setdefault(table, self.forced.get(table, VOCAB))
+            sharded = self.roles[table] in (VOCAB, COL)
+            self.embed_sharded[node.meta.get("seq_nr")] = sharded
+            self.state[node.name] = "P" if sharded else "R"
+            return True
+        self.embed_sharded[node.meta.get("seq_nr")] = False
+        return False
+
+    def _embedding_backward(self, node) -> bool:
+        """The gradient of the table its forward looked up: sharded if the table is."""
+        if node.target not in _EMBED_BWD:
+            return False
+        self.state[node.name] = "S" if self.embed_sharded.get(node.meta.get("seq_nr"), True) else "R"
+        return True
+
+    def _other(self, node) -> None:
+        """Any other op: partial inputs reduced unless the op is linear in them; selections
+        and factories replicated; a sharded input kept where the op admits it, else gathered."""
+        target, ins = node.target, node.all_input_nodes
+        in_states = [self.state.get(i.name, "R") for i in ins]
         if "P" in in_states:
             scalar_scale = target in (aten.mul.Tensor, aten.div.Tensor) and len(ins) == 1
             if scalar_scale or (target in _LINEAR and all(s == "P" for s in in_states)):
-                state[node.name] = "P"
-                continue
+                self.state[node.name] = "P"
+                return
             for i in ins:
-                reduce(i)
-            in_states = [state.get(i.name, "R") for i in ins]
+                self.reduce(i)
+            in_states = [self.state.get(i.name, "R") for i in ins]
         if target in _SELECTION and "S" in in_states:
-            # gather the small routing scores: routers stay replicated in effect
-            state[node.name] = "R"
-            continue
+            self.state[node.name] = "R"  # gather the small routing scores: routers stay replicated
+            return
         if target in FACTORY_LIKE:
-            state[node.name] = "R"  # reads only the dtype and device of its input
-            continue
+            self.state[node.name] = "R"  # reads only the dtype and device of its input
+            return
         if "S" in in_states:
             # aten's grouped weight gradient X^T dY keeps W's split (`passes.grouped_matmul`)
             allowed = True if is_grouped(node) else admits_sharding(node)
             if not allowed:  # no strategy keeps a sharded input: gather it, run replicated
                 if allowed is None:
                     warn_unknown(node)
-                    fallback_ops.add(str(target))
+                    self.fallback_ops.add(str(target))
                 for i, st in zip(ins, in_states):
-                    if st == "S" and batch_dep.get(i.name):
-                        events.append(TPEvent(i.name, "gather", analysis.nodes[i.name].nbytes, True,
-                                              forward(node), True))
-                state[node.name] = "R"
-                continue
-        state[node.name] = "S" if "S" in in_states else "R"
-        if (target in _PARAM_MATMULS or is_grouped(node)) and state[node.name] == "S" and not forward(node):
-            wgrad_mm.add(node.name)
-    for name in bias_of_col:
-        roles[name] = COL
-    for spec in graph.inputs:
-        if spec.kind == "param":
-            roles.setdefault(spec.name, REPLICATED)
-    # weight-derived nodes (casts, transposes of weights) follow their weight's sharding
-    for node_name, param in weight_of.items():
-        if roles.get(param, REPLICATED) != REPLICATED:
-            state[node_name] = "S"
-    parts, heads = _fused_projections(graph, col_mm, weight_of)
-    return TPRecipe(state, roles, sharded_mm, col_mm, wgrad_mm, events, weight_of, batch_dep,
-                    fallback_ops, parts, heads, in_out, grouped)
+                    if st == "S" and self.batch_dep.get(i.name):
+                        self.gather(i, True, self.forward(node), True)
+                self.state[node.name] = "R"
+                return
+        self.state[node.name] = "S" if "S" in in_states else "R"
+        if (target in _PARAM_MATMULS or is_grouped(node)) and self.state[node.name] == "S" and not self.forward(node):
+            self.wgrad_mm.add(node.name)
+
+    def _finish(self) -> TPRecipe:
+        """A column layer's bias is column too; unused weights replicated; weight-derived
+        nodes (casts, transposes of weights) follow their weight's sharding."""
+        for name in self.bias_of_col:
+            self.roles[name] = COL
+        for spec in self.graph.inputs:
+            if spec.kind == "param":
+                self.roles.setdefault(spec.name, REPLICATED)
+        for node_name, param in self.weight_of.items():
+            if self.roles.get(param, REPLICATED) != REPLICATED:
+                self.state[node_name] = "S"
+        parts, heads = _fused_projections(self.graph, self.col_mm, self.weight_of)
+        return TPRecipe(self.state, self.roles, self.sharded_mm, self.col_mm, self.wgrad_mm, self.events,
+                        self.weight_of, self.batch_dep, self.fallback_ops, parts, heads, self.in_out,
+                        self.grouped)
 
 
 def _transposes(node) -> bool:
