@@ -42,6 +42,19 @@ def step_time_lower_bound(facts: StepFacts, cluster: Cluster, layout: Layout) ->
     return pipeline_time(busiest, 0.0, lay)[0]
 
 
+def rules_out(facts: StepFacts, cluster: Cluster, layout: Layout, best_s: float | None) -> bool:
+    """Whether ``layout`` cannot beat a best step of ``best_s`` on its bound: first the bound
+    with the busiest stage taken as the average one (sum_s (fwd_s + bwd_s) / pp <= the
+    busiest; no pipeline cut needed), then, under a pipeline, LB itself."""
+    if best_s is None:
+        return False
+    lay = resolved(facts, cluster, layout)
+    total = float(step_node_times(facts, cluster, lay).sum()) * shared_host_factor(cluster, lay)
+    if cannot_beat(pipeline_time(total / lay.pp, 0.0, lay)[0], best_s):
+        return True
+    return lay.pp > 1 and cannot_beat(step_time_lower_bound(facts, cluster, lay), best_s)
+
+
 def cannot_beat(bound: float, best_s: float | None) -> bool:
     """Whether a layout whose step is at least ``bound`` cannot replace a best of ``best_s``
     (the solver replaces on step < best - 1e-12)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from autopar.search.bound import cannot_beat, step_time_lower_bound
+from autopar.search.bound import rules_out
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
 from cost.step import Prediction, StepFacts, check_layout, predict, predict_memory
@@ -93,8 +93,7 @@ def best_of(layouts, step: CapturedStep, cluster: Cluster) -> tuple[Layout, Pred
             check_layout(facts, cluster, layout)
         except LayoutError:
             continue
-        if best is not None and cannot_beat(step_time_lower_bound(facts, cluster, layout),
-                                            best[1].step_time_s):
+        if rules_out(facts, cluster, layout, best[1].step_time_s if best else None):
             continue  # its compute alone is no faster (`autopar.search.bound`)
         memory = predict_memory(facts, cluster, layout, check=False)
         if memory.total > cluster.gpu.memory_bytes:

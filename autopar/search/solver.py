@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from autopar.errors import AutoparError
 from autopar.search.batch import small_batch_note
-from autopar.search.bound import cannot_beat, step_time_lower_bound
+from autopar.search.bound import rules_out
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
@@ -220,8 +220,8 @@ class _SearchState:
             check_layout(facts, self.cluster, layout)
         except LayoutError:
             return
-        if self.prune and cannot_beat(step_time_lower_bound(facts, self.cluster, layout),
-                                      self.best[1].step_time_s if self.best else None):
+        if self.prune and rules_out(facts, self.cluster, layout,
+                                    self.best[1].step_time_s if self.best else None):
             self.stats["pruned_by_bound"] += 1
             self.bounded[layout] = facts
             return
@@ -235,7 +235,7 @@ class _SearchState:
         (if the bound had skipped it), so that its price decides as without pruning."""
         if twin not in self.bounded:
             return True
-        if cannot_beat(step_time_lower_bound(facts, self.cluster, layout), self.best[1].step_time_s):
+        if rules_out(facts, self.cluster, layout, self.best[1].step_time_s):
             self.stats["pruned_by_bound"] += 1
             return False
         self._price(self.bounded.pop(twin), twin)
