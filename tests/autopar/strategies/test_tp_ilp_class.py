@@ -12,7 +12,7 @@ from torch import nn
 from autopar import capture, models
 from autopar.analysis.graph import analyze
 from autopar.strategies.tp_ilp import TPRoleILP, solve_tp_roles
-from autopar.strategies.tp_recipe import COL, ROW, find_tp_recipe
+from autopar.strategies.tp_recipe import COL, ROW, _Propagation, find_tp_recipe
 from cost import Cluster
 
 
@@ -102,6 +102,7 @@ def test_zoo_llama_blocks_tie_and_megatron_is_found():
     assert r.roles["layers.0.attn.o_proj.weight"] == r.roles["layers.1.attn.o_proj.weight"]
 
 
-def test_no_method_of_the_ilp_is_long():
-    for name, fn in inspect.getmembers(TPRoleILP, inspect.isfunction):
+@pytest.mark.parametrize("cls", [TPRoleILP, _Propagation])
+def test_no_method_of_the_ilp_or_the_recipe_is_long(cls):
+    for name, fn in inspect.getmembers(cls, inspect.isfunction):
         assert len(inspect.getsource(fn).splitlines()) <= 60, name
