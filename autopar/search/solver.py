@@ -4,7 +4,9 @@ Search space, per the playbook's decision procedure: the mesh factorisation worl
 (TP inside a node first; across nodes only when nothing else fits), expert parallelism for MoE
 models, ZeRO stage 0-3, sequence parallelism, micro-batch size and gradient accumulation for the
 requested global batch, activation recomputation, the pipeline schedule, and optionally FP8.
-Each candidate is priced by `cost.step` (memory first: cheap and prunes most candidates);
+Each candidate is priced by `cost.step` (memory first), unless its compute alone cannot beat
+the best found so far (`autopar.search.bound`: a proven lower bound, so pruning never changes
+the answer);
 the tensor-parallel placement of every weight comes from `tp_ilp` (an OR-tools ILP over the
 graph's matmuls, tied across repeated blocks) or the Megatron recipe, whichever predicts faster.
 The same inputs always give the same plan.
@@ -319,10 +321,10 @@ def solve(
         raise NoFeasiblePlanError(_infeasible_message(step.facts(), cluster, stats))
     manual = best_manual(step, cluster) if compare_manual else {}
     stats.update({
-        "method": "search over layouts (memory-pruned) x TP placement ILP",
+        "method": "search over layouts (bound- and memory-pruned) x TP placement ILP",
         "ilp": step.ilp_stats(),
         "time_s": time.perf_counter() - t0,
-        "evaluated": stats["fit"],  # every layout that fits is priced
+        "evaluated": stats["fit"],  # priced and fits: the rest fail memory or the bound
         "manual_best": {k: (v[0].short(), v[1].step_time_s) if v else None for k, v in manual.items()},
     })
     note = small_batch_note(base.batch, base.seq, cluster, layout.short(), pred.tokens_per_s_per_gpu)
