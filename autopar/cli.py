@@ -352,9 +352,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(model, inputs, cluster=cluster, layout=layout, progress=progress,
                   **({"allow_fp8": True} if args.fp8 else {}))
     if layout is not None and not result.predicted.fits:
-        # the summary says how memory splits; it must not claim that the layout runs
-        print(result.summary().replace("  runs     with autopar.parallelize",
-                                       "  runs     no: it does not fit in memory"))
+        print(result.summary())  # how memory splits, then the error with the fix
         raise CommandError(_does_not_fit(result))
     print(result.summary())
     if args.layout is None:
@@ -365,6 +363,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(result.to_json())
         print(f"wrote {args.json}")
+    if args.trace or args.report:
+        from autopar.planning.report_html import write_plan_outputs
+
+        for path in (args.trace, args.report):
+            if path:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        for path in write_plan_outputs(result, trace=args.trace, report=args.report):
+            print(f"wrote {path}")
     return 0
 
 
@@ -535,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", help="evaluate a manual layout instead, e.g. dp=8,tp=8,zero=1,sp=1,microbatch=2,grad_accum=16")
     p.add_argument("--fp8", action="store_true", help="let the solver run matmuls in FP8")
     p.add_argument("--json", help="write the plan as JSON to this path")
+    p.add_argument("--trace", help="write the predicted step as Chrome trace-event JSON (Perfetto)")
+    p.add_argument("--report", help="write a self-contained HTML report of the plan")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_plan)
 

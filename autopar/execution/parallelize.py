@@ -83,7 +83,7 @@ from passes.fp8 import RECIPES as FP8_RECIPES
 from passes.loss_reduction import LossReduction, analyze_loss, rewrite_denominators
 from passes.pipeline_split import PipelineSplitError, split_backward, split_pipeline
 from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
-from passes.tensor_parallel import apply_tensor_parallel
+from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from passes.token_count import weight_loss_by_seed
 from runtime.executor import RankGraph
 from runtime.pipeline import PipelinePlan
@@ -154,29 +154,7 @@ def parallelize(
     else `LossReductionError`; "mean_per_rank": every rank and micro-batch averages its own
     loss and the pieces are averaged, DDP's semantics, accepted knowingly.
     """
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise InputError(f"loss_reduction={loss_reduction!r}: use one of {', '.join(map(repr, LOSS_REDUCTIONS))}")
-    if not dist.is_initialized():
-        raise InputError("parallelize needs an initialised process group: launch with torchrun "
-                         "(or torch.distributed.init_process_group) on every rank")
-    if example_inputs is None:
-        raise InputError("parallelize needs example_inputs: one global batch, as the model takes it")
-    world = dist.get_world_size()
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if isinstance(mesh, int):
-        if mesh != world:
-            raise InputError(f"mesh of {mesh} ranks but the process group has {world}: pass "
-                             f"mesh={world} or start {mesh} ranks")
-    elif mesh.size() != world:
-        raise InputError(f"the mesh has {mesh.size()} ranks but the process group has {world}")
-    meta_buffers = [n for n, b in model.named_buffers() if b.device.type == "meta"]
-    if meta_buffers:
-        raise InputError(
-            f"buffer {meta_buffers[0]!r} (and {len(meta_buffers) - 1} more) is on the meta device: "
-            "autopar allocates only the parameters' shards of a meta model and cannot compute "
-            "buffers (rotary frequencies and the like are not in checkpoints).\n  fix: build the "
-            "model with its parameters only on meta (accelerate's init_empty_weights("
-            "include_buffers=False), or move the buffers: module.register_buffer(name, value))")
+    world, device_type = _check_call(model, mesh, example_inputs, loss_reduction)
     example_inputs = tuple(example_inputs)
     batch = example_inputs[0].shape[0]
     cluster = (Cluster.detect() if device_type == "cuda"
@@ -227,35 +205,7 @@ def parallelize(
         signature = rewrite_denominators(gm, signature, reduction)
     if decisions.fp8:  # before TP: the TP pass shards the casts and reduces sharded amaxes
         apply_fp8(gm, signature, decisions.fp8, FP8_RECIPES[lay.fp8_recipe])
-    # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
-    fallbacks: list[Fallback] = list(decisions.fallbacks) if lay.tp > 1 else []
-    if lay.tp > 1:
-        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        traced = apply_tensor_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders],
-                                       decisions.tensor_parallel(), mesh["tp"])
-        gm = traced.gm
-        shapes.update(traced.local_shapes)
-        signature = _signature(gm, signature.inputs, signature.grad_index, signature.loss_index,
-                               signature.buffer_index)
-        planned = {f.op for f in fallbacks}
-        unexecuted = planned - set(traced.fallback_ops)
-        if unexecuted:
-            # a guard: the pass gathers the plan's replicated ops (`replicated_ops`); one it
-            # never met (a name the pass spells otherwise) might have run on shards
-            raise UnsupportedLayoutError(
-                f"layout {lay.short()}: the plan runs {', '.join(sorted(unexecuted))} replicated (no "
-                "sharding rule autopar trusts) but the tensor-parallel pass did not gather its "
-                "inputs; tensor parallelism around it is not executed yet: use tp=1 for this model")
-        fallbacks += [Fallback(op, "no DTensor strategy for its inputs' placements: gathered, run "
-                               "replicated on every TP rank") for op in traced.fallback_ops
-                      if op not in planned]
-    # the plan lists what ran: the TP pass's fallbacks join the planned ones
-    decisions.fallbacks = fallbacks
-    if strict and fallbacks:
-        raise UnsupportedLayoutError(
-            "strict=True: these ops would run replicated under tensor parallelism: "
-            + ", ".join(f.op for f in fallbacks) + "; use a layout without TP (tp=1), or strict=False "
-            "to accept the replication (listed in pm.plan.fallbacks)")
+    gm, signature = _tensor_parallel(gm, signature, shapes, decisions, mesh, strict)
     if decisions.fp8 and lay.dp > 1:  # scales over all DP ranks' tokens, as on one device
         reduce_scales(gm, AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh)))
     if recomputing:
@@ -265,22 +215,12 @@ def parallelize(
         decisions.recompute = _recomputed(None, choices[0], _recompute(gm, layers, groups, choices, block_rank,
                                                                        lay.tp > 1, lay.regather))
     weight_loss_by_seed(gm, signature)
-    accumulate_gm = None
     inputs = list(signature.inputs)
-    pipeline = None
+    pipeline, accumulate_gm = None, None
     if lay.pp > 1:  # after every other pass: the stages run the rewritten graph's nodes
         pipeline = _pipeline(gm, signature, captured_stage, decisions, mesh, lay.tp > 1)
     elif lay.dp > 1:
-        group = AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh))
-        dp_plan = decisions.data_parallel()
-        # whole gradients on every rank (DP, ZeRO-1): reduce once per step, after the last
-        # micro-batch; sharded gradients (ZeRO-2/3) are reduced by every micro-batch
-        no_sync = m > 1 and lay.zero <= 1
-        if no_sync:
-            accumulate_gm = copy.deepcopy(gm)
-            apply_data_parallel(accumulate_gm, signature, shapes, dp_plan, group, sync="none")
-        apply_data_parallel(gm, signature, shapes, dp_plan, group,
-                            sync="accumulated" if no_sync else "reduce")
+        accumulate_gm = _data_parallel(gm, signature, shapes, decisions, mesh)
         inputs += [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
                    if node.op == "placeholder" and "accumulates" in node.meta]
     rank_graph = RankGraph(
@@ -304,7 +244,95 @@ def parallelize(
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in signature.placeholder_of("param") if held is None or p in held]
     return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, canonical,
-                          local_batch=local_batch, unloaded=unloaded)
+                          local_batch=local_batch, unloaded=unloaded, original=model, loss_fn=loss_fn)
+
+
+def _check_call(model: nn.Module, mesh, example_inputs, loss_reduction: str) -> tuple[int, str]:
+    """The arguments of `parallelize` that can be checked before planning: (world, device type)."""
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise InputError(f"loss_reduction={loss_reduction!r}: use one of {', '.join(map(repr, LOSS_REDUCTIONS))}")
+    if not dist.is_initialized():
+        raise InputError("parallelize needs an initialised process group: launch with torchrun "
+                         "(or torch.distributed.init_process_group) on every rank")
+    if example_inputs is None:
+        raise InputError("parallelize needs example_inputs: one global batch, as the model takes it")
+    world = dist.get_world_size()
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if isinstance(mesh, int):
+        if mesh != world:
+            raise InputError(f"mesh of {mesh} ranks but the process group has {world}: pass "
+                             f"mesh={world} or start {mesh} ranks")
+    elif mesh.size() != world:
+        raise InputError(f"the mesh has {mesh.size()} ranks but the process group has {world}")
+    meta_buffers = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if meta_buffers:
+        raise InputError(
+            f"buffer {meta_buffers[0]!r} (and {len(meta_buffers) - 1} more) is on the meta device: "
+            "autopar allocates only the parameters' shards of a meta model and cannot compute "
+            "buffers (rotary frequencies and the like are not in checkpoints).\n  fix: build the "
+            "model with its parameters only on meta (accelerate's init_empty_weights("
+            "include_buffers=False), or move the buffers: module.register_buffer(name, value))")
+    return world, device_type
+
+
+def _tensor_parallel(gm, signature: GraphSignature, shapes: dict, decisions: PlanDecisions,
+                     mesh: DeviceMesh, strict: bool):
+    """The TP pass (`passes.tensor_parallel`) on this rank's graph, when the plan has tp > 1:
+    returns (graph, signature); ``shapes`` gets the local parameter shapes. The plan's fallbacks
+    become what ran: the planned ones the pass executed, then those it met."""
+    lay = decisions.layout
+    # ops the TP recipe planned to run replicated (no strategy), and below those the TP pass met
+    fallbacks: list[Fallback] = list(decisions.fallbacks) if lay.tp > 1 else []
+    if lay.tp > 1:
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        try:
+            traced = apply_tensor_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders],
+                                           decisions.tensor_parallel(), mesh["tp"])
+        except TensorParallelError as exc:
+            raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
+        gm = traced.gm
+        shapes.update(traced.local_shapes)
+        signature = _signature(gm, signature.inputs, signature.grad_index, signature.loss_index,
+                               signature.buffer_index)
+        planned = {f.op for f in fallbacks}
+        unexecuted = planned - set(traced.fallback_ops)
+        if unexecuted:
+            # a guard: the pass gathers the plan's replicated ops (`replicated_ops`); one it
+            # never met (a name the pass spells otherwise) might have run on shards
+            raise UnsupportedLayoutError(
+                f"layout {lay.short()}: the plan runs {', '.join(sorted(unexecuted))} replicated (no "
+                "sharding rule autopar trusts) but the tensor-parallel pass did not gather its "
+                "inputs; tensor parallelism around it is not executed yet: use tp=1 for this model")
+        fallbacks += [Fallback(op, "no DTensor strategy for its inputs' placements: gathered, run "
+                               "replicated on every TP rank") for op in traced.fallback_ops
+                      if op not in planned]
+    # the plan lists what ran: the TP pass's fallbacks join the planned ones
+    decisions.fallbacks = fallbacks
+    if strict and fallbacks:
+        raise UnsupportedLayoutError(
+            "strict=True: these ops would run replicated under tensor parallelism: "
+            + ", ".join(f.op for f in fallbacks) + "; use a layout without TP (tp=1), or strict=False "
+            "to accept the replication (listed in pm.plan.fallbacks)")
+    return gm, signature
+
+
+def _data_parallel(gm, signature: GraphSignature, shapes: dict, decisions: PlanDecisions,
+                   mesh: DeviceMesh):
+    """The DP pass (`passes.data_parallel`) on ``gm``, in place. Whole gradients on every rank
+    (DP, ZeRO-1) are reduced once per step, after the last micro-batch: returns the graph the
+    micro-batches before it run (without the reduction), else None. Sharded gradients
+    (ZeRO-2/3) are reduced by every micro-batch."""
+    lay = decisions.layout
+    group = AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh))
+    dp_plan = decisions.data_parallel()
+    no_sync = lay.grad_accum > 1 and lay.zero <= 1
+    accumulate_gm = None
+    if no_sync:
+        accumulate_gm = copy.deepcopy(gm)
+        apply_data_parallel(accumulate_gm, signature, shapes, dp_plan, group, sync="none")
+    apply_data_parallel(gm, signature, shapes, dp_plan, group,
+                        sync="accumulated" if no_sync else "reduce")
+    return accumulate_gm
 
 
 def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], decisions: PlanDecisions,

@@ -121,9 +121,13 @@ class Plan:
         if within:
             lines.append(f"  note     {within}")
         missing = unsupported_decisions(lay)
-        lines.append("  runs     " + ("with autopar.parallelize" if not missing else
-                                     "not yet with autopar.parallelize: " + "; ".join(missing)
-                                     + " (a prediction only)"))
+        if not p.fits:
+            runs = "no: it does not fit in memory"
+        elif missing:
+            runs = "not yet with autopar.parallelize: " + "; ".join(missing) + " (a prediction only)"
+        else:
+            runs = "with autopar.parallelize"
+        lines.append("  runs     " + runs)
         lines.append("")
         lines.append(
             f"predicted step {fmt_time(p.step_time_s)}, {p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
