@@ -45,10 +45,11 @@ class ParallelModule(nn.Module):
     RNG: dropout draws its masks from each rank's own default generator (the process's
     ``torch.manual_seed``). Under data parallelism each rank draws the masks of its own slice
     of the batch: a valid step, not the one a single device takes with the same seed. Under
-    tensor parallelism no generator is kept in step across the TP group: seed every rank alike
-    (``torch.manual_seed(s)`` on each), or the TP ranks draw different masks for a replicated
-    activation and silently disagree; seeded alike, a dropout on a replicated activation is one
-    device's, while one on a TP-sharded activation draws the same mask for every shard
+    tensor parallelism the ranks of one TP group must draw alike (a replicated activation is one
+    value on every TP rank): before each step whose graph draws random numbers, the generator
+    state of the group's first rank is copied to the others (`_keep_tp_rng_in_step`), so
+    whatever the seeds, a dropout on a replicated activation is the mask one device draws from
+    that state; a dropout on a TP-sharded activation draws the same mask for every shard
     (correlated halves, not one device's mask). ``pm.eval()`` draws none.
     """
 
@@ -77,6 +78,7 @@ class ParallelModule(nn.Module):
         self._calls = 0
         if original is not None:
             guard_original(original)
+        self.__dict__["_tp_rng"] = _tp_rng_source(rank_graph, mesh)
 
     def train(self, mode: bool = True) -> ParallelModule:
         """`nn.Module.train`: ``mode=False`` (``pm.eval()``) makes calls evaluate."""
@@ -151,6 +153,8 @@ class ParallelModule(nn.Module):
         named_params = dict(self.named_parameters(remove_duplicate=False))
         params = [(name, named_params[name]) for name in self._canonical]
         buffers = dict(self.named_buffers())
+        if self._tp_rng is not None:
+            _keep_tp_rng_in_step(*self._tp_rng, local[0].device)
         return run_step(self._rank_graph, params, buffers, local)
 
     def profile_step(self, *batch: torch.Tensor, path: str = "step.json") -> dict[str, float]:
@@ -385,3 +389,30 @@ def _judge(rows: list[list[float]], local_batch: bool, planned: list[tuple[int, 
                 + ("pass the same slice on the ranks of a TP group" if local_batch else
                    "pass the same global batch on every rank, or parallelize with "
                    "local_batch=True and give each rank its own data-parallel slice"))
+
+
+def _tp_rng_source(rank_graph: RankGraph, mesh: DeviceMesh):
+    """(TP group, its first rank's global rank) when the step draws random numbers under
+    tensor parallelism (an op tagged ``nondeterministic_seeded``: dropout, rand, bernoulli),
+    else None."""
+    if "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+        return None
+    graphs = [rank_graph.gm] + ([rank_graph.accumulate_gm] if rank_graph.accumulate_gm is not None else [])
+    if not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+               for gm in graphs for n in gm.graph.nodes if n.op == "call_function"):
+        return None
+    group = mesh["tp"].get_group()
+    return group, dist.get_global_rank(group, 0)
+
+
+def _keep_tp_rng_in_step(group, source: int, device: torch.device) -> None:
+    """Copy the default generator's state of the TP group's first rank to the others (one
+    broadcast of a few kilobytes on CPU, of the seed and offset on CUDA)."""
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device).to(device)
+        dist.broadcast(state, src=source, group=group)
+        torch.cuda.set_rng_state(state.cpu(), device)
+    else:
+        state = torch.get_rng_state()
+        dist.broadcast(state, src=source, group=group)
+        torch.set_rng_state(state)
