@@ -76,6 +76,20 @@ _SHAPE_ONLY = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.def
 _ACROSS = {aten._softmax.default, aten._log_softmax.default}
 _LINEAR_SUM = {aten.sum.default, aten.sum.dim_IntList}
 _LINEAR_MEAN = {aten.mean.default, aten.mean.dim}
+_NLL = {aten.nll_loss_forward.default: aten.nll_loss_backward.default,
+        aten.nll_loss2d_forward.default: aten.nll_loss2d_backward.default}
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What the analysis reads besides kinds: the piece's rows, which nodes read parameters,
+    the values of scalar tensor constants, and the sizes a divisor could be made of other than
+    the batch (the inputs' other dims and the parameters' dims, and products of two)."""
+
+    batch: int
+    has_param: dict
+    consts: dict
+    sizes: frozenset
 
 
 @dataclass(frozen=True)
@@ -86,8 +100,10 @@ class Kind:
     dens: the data-only denominators a value divides by ("B": pending, "A": its ratios);
     data_only: an "E" computed without parameters (a candidate denominator);
     means: an "A" holding a mean over the batch (not only ratios and uniform terms);
-    count: an "E" straight from a sum: how many elements it added (a hand-written mean divides
-    by it or by the rows);
+    count: an "E": how many elements its sums added (a hand-written mean divides by it, by the
+    rows, or by a multiple of the rows dividing it), 0 if unknown;
+    per: a "B": how many elements each of its values summed over other dims (multiplied into
+    ``count`` when the batch is summed);
     loose: a "B" the model computed with rows other than the batch's (a mixture-of-experts
     capacity buffer): the model's business, its ops not followed dim by dim.
     """
@@ -99,6 +115,7 @@ class Kind:
     means: bool = False
     loose: bool = False
     count: int = 0
+    per: int = 1
     why: str = ""
     node: fx.Node | None = None
 
@@ -168,7 +185,10 @@ def analyze_loss(gm: fx.GraphModule, signature: GraphSignature) -> LossReduction
             continue
         has_param[node] = (kinds_in.get(node.name, ("",))[0] == "param"
                            or any(has_param.get(i, False) for i in node.all_input_nodes))
-        kinds[node] = _kind(node, kinds, kinds_in, batch, has_param)
+    facts = _Facts(batch, has_param, _constants(gm), _sizes(gm, kinds_in))
+    for node in gm.graph.nodes:
+        if node in needed:
+            kinds[node] = _kind(node, kinds, kinds_in, facts)
     top = kinds[loss]
     if top.kind == "X":
         return LossReduction("unproven", why=top.why, node=top.node)
@@ -180,7 +200,7 @@ def analyze_loss(gm: fx.GraphModule, signature: GraphSignature) -> LossReduction
     if not dens:
         return LossReduction("mean")
     for den in dens:
-        if den.target == aten.nll_loss_forward.default:  # its total_weight, read by its backward
+        if den.target in _NLL:  # its total_weight, read by its backward
             uses = [(u, t) for t in den.users if t.args[1] == 1 for u in t.users]
         else:
             uses = [(u, den) for u in den.users]
@@ -201,6 +221,37 @@ def _local_batch(gm: fx.GraphModule, kinds_in: dict) -> int:
     return int(sizes[0]) if sizes else 1
 
 
+def _constants(gm: fx.GraphModule) -> dict[fx.Node, float]:
+    """The value of every one-element tensor constant of the graph (``torch.tensor(4.0)`` in the
+    loss), and of its copies."""
+    consts: dict[fx.Node, float] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            val = getattr(gm, node.target, None)
+            if isinstance(val, torch.Tensor) and val.numel() == 1 and not val.requires_grad:
+                consts[node] = float(val)
+        elif node.op == "call_function" and node.target in _SAME and node.args[0] in consts:
+            consts[node] = consts[node.args[0]]
+    return consts
+
+
+def _sizes(gm: fx.GraphModule, kinds_in: dict) -> frozenset:
+    """The sizes a number in the loss could be read from other than the batch: 1, the user
+    inputs' other dims (and each input's product of them), every parameter's dims, and the
+    products of two of these."""
+    single = {1}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        kind = kinds_in.get(node.name, ("",))[0]
+        shape = tuple(node.meta["val"].shape)
+        if kind == "input":
+            single |= set(shape[1:]) | {math.prod(shape[1:])}
+        elif kind == "param":
+            single |= set(shape)
+    return frozenset(single | {a * b for a in single for b in single})
+
+
 def _ancestors(node: fx.Node) -> set[fx.Node]:
     seen, stack = set(), [node]
     while stack:
@@ -214,7 +265,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 def _divides_by(user: fx.Node, den: fx.Node) -> bool:
     if user.target in (aten.div.Tensor,) and len(user.args) == 2 and user.args[1] is den and user.args[0] is not den:
         return True
-    return user.target == aten.nll_loss_backward.default and user.args[6] is den and user.args[4] == _MEAN
+    return user.target in _NLL.values() and user.args[6] is den and user.args[4] == _MEAN
 
 
 def _shape(node) -> tuple | None:
@@ -222,8 +273,9 @@ def _shape(node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _kind(node: fx.Node, kinds: dict, kinds_in: dict, batch: int, has_param: dict):
+def _kind(node: fx.Node, kinds: dict, kinds_in: dict, facts: _Facts):
     """The kind of ``node`` from its inputs' (a list of kinds for a multi-output op)."""
+    batch, has_param = facts.batch, facts.has_param
     if node.op == "placeholder":
         # one row per piece: its dims cannot be told apart by size, and need not be (every
         # value is one sample's); reductions take dim 0 as the batch's
@@ -241,7 +293,7 @@ def _kind(node: fx.Node, kinds: dict, kinds_in: dict, batch: int, has_param: dic
     if target == operator.getitem:
         parent = kinds[node.args[0]]
         return parent[node.args[1]] if isinstance(parent, list) else parent
-    if target == aten.nll_loss_forward.default:
+    if target in _NLL:
         return _nll(node, kinds, has_param)
     if target in _LINEAR_SUM or target in _LINEAR_MEAN:
         return _reduce(node, kinds[node.args[0]], has_param)
@@ -249,13 +301,18 @@ def _kind(node: fx.Node, kinds: dict, kinds_in: dict, batch: int, has_param: dic
     if schema is not None and any(a.name == "reduction" for a in schema.arguments):
         return _elementwise_loss(node, kinds, has_param)
     if any(k.kind == "B" and k.loose for k in flat) and not any(k.kind in "EA" for k in flat):
+        if batch == 1 and _along_rows(node, kinds):
+            return _x(node, f"{target} runs along dim 0 of a micro-batch of one row, which may be the "
+                      "batch: its pieces would not combine into the whole batch's value (fix: run it "
+                      "along another dim, or use a micro-batch of more than one row to let autopar "
+                      "tell the dims apart)")
         return _model_op(node, kinds, batch)
     if target in _SAME:
         return _same(node, kinds[node.args[0]])
     if target in _SHAPE_ONLY:
         return _U
     if any(k.kind in "EA" for k in flat):
-        return _algebra(node, kinds, batch)
+        return _algebra(node, kinds, facts)
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return _pointwise(node, kinds)
     if schema is not None and any(a.name in ("dim", "dims") for a in schema.arguments):
@@ -263,22 +320,91 @@ def _kind(node: fx.Node, kinds: dict, kinds_in: dict, batch: int, has_param: dic
     return _model_op(node, kinds, batch)
 
 
+def _along_rows(node: fx.Node, kinds: dict) -> bool:
+    """At one row per piece (dims not told apart by size): whether ``node`` runs along dim 0 of
+    a per-sample input in a way that would mix the rows of a larger batch (`_along_dims`'s
+    refusals: a softmax, a reduction even with ``keepdim``, a change of its size)."""
+    schema = getattr(node.target, "_schema", None)
+    first = next((i for i in node.all_input_nodes if kinds[i] != _U), None)
+    src, out = _shape(first), _shape(node)
+    if schema is None or src is None or not src or node.target == aten.cat.default:
+        return False
+    names = [a.name for a in schema.arguments]
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound |= dict(zip(names, node.args)) | dict(node.kwargs)
+    dims = bound.get("dim", bound.get("dims")) if ("dim" in names or "dims" in names) else ()
+    dims = list(range(len(src))) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+    if 0 not in [d % len(src) for d in dims]:
+        return False
+    return (node.target in _ACROSS or "keepdim" in names or out is None or len(out) != len(src)
+            or out[0] != src[0])
+
+
 def _value(node, kinds) -> Kind | None:
     """A python number or a node's kind (None for a number)."""
     return kinds[node] if isinstance(node, fx.Node) else None
 
 
-def _by_number(node: fx.Node, divisor: float, batch: int, k: Kind) -> Kind:
-    """A batch sum divided by a number: a mean over the batch written by hand (``sum /
-    x.shape[0]``, ``sum / x.numel()``: the capture bakes the piece's sizes in) when the number
-    is the piece's row count or the count of elements the sum added, else a sum scaled by a
-    constant."""
-    if divisor == batch or (k.count and divisor == k.count):
-        return Kind("A", means=True)
-    return Kind("E", data_only=k.data_only)
+_FIX_NUMBER = ("fix: a micro-batch size that differs from the model's other sizes, "
+               "loss_reduction=\"mean_per_rank\", or a mean op (.mean(), reduction=\"mean\")")
 
 
-def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
+def _by_number(node: fx.Node, divisor: float, facts: _Facts, k: Kind) -> Kind:
+    """A batch sum S of n = ``k.count`` elements divided by a number d (the capture bakes the
+    piece's sizes in, so ``S / x.shape[0]``, ``S / x.numel()`` arrive as numbers).
+
+    A hand-written mean divides by a d proportional to the piece's rows b: then one device's
+    S / (P d) = (1/P) sum_k S_k / d, an average of the pieces. Such a d is a multiple of b
+    that divides n (the rows, the flattened tokens, the elements): taken as a mean, unless d is
+    also one of the model's other sizes (or a product of two, or 1), which a constant could be
+    as well (ambiguous: refused). A d that is no multiple of b is a constant scale: S / d adds
+    up over the pieces. A multiple of b that does not divide n is refused, not guessed. At one
+    row every d is a multiple of b: a d that could be a mean (one of the sizes dividing n) is
+    refused as ambiguous, any other is a constant scale."""
+    d = abs(float(divisor))
+    constant = Kind("E", data_only=k.data_only)
+    if d == 0 or not math.isfinite(d) or abs(d - round(d)) > 1e-9 * d:
+        return constant
+    d = round(d)
+    divides = bool(k.count) and k.count % d == 0
+    if facts.batch == 1 and not (divides and d in facts.sizes):
+        return constant  # a mean of one row would divide by one of the sizes
+    if d % facts.batch:
+        return constant
+    if not divides:
+        return _x(node, f"a sum over the batch divided by {d}, a multiple of the micro-batch's "
+                  f"{facts.batch} rows that is not a count of the elements the sum added: neither a "
+                  "mean nor a constant scale autopar can prove (fix: divide by x.shape[0] or "
+                  "x.numel() of the summed value, or use a mean op)")
+    if d in facts.sizes:
+        return _x(node, f"a sum over the batch divided by {d}: a mean over the micro-batch of "
+                  f"{facts.batch} row(s), or a constant scale ({d} is also one of the model's other "
+                  f"sizes); autopar cannot tell which ({_FIX_NUMBER})")
+    return Kind("A", means=True)
+
+
+def _scale(node: fx.Node, other, facts: _Facts, k: Kind, inverse: bool) -> Kind:
+    """A batch sum ``k`` times or divided by ``other`` (a number or a tensor node): by a
+    parameter-derived tensor (a temperature) a uniform scale; by a number or a data tensor of
+    known value, `_by_number`; by a data tensor autopar cannot read, refused."""
+    if k.kind != "E":
+        return k
+    if isinstance(other, fx.Node):
+        if facts.has_param.get(other, False):
+            return k
+        if other not in facts.consts:
+            return _x(node, "a sum over the batch scaled by a tensor computed without parameters, "
+                      "whose value autopar cannot read (a mean over the batch, or a constant?) "
+                      "(fix: divide by a python number such as x.shape[0], or use a mean op)")
+        other = facts.consts[other]
+    if not inverse:
+        if other == 0:
+            return Kind("E", data_only=k.data_only)
+        other = 1.0 / other
+    return _by_number(node, other, facts, k)
+
+
+def _algebra(node: fx.Node, kinds: dict, facts: _Facts) -> Kind:
     """Linear combinations of batch-reduced values, and B / D with a data-only D."""
     t = node.target
     args = [_value(a, kinds) for a in node.args[:2]]
@@ -292,7 +418,7 @@ def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
         if b.kind == "U" and a.kind == "A":
             return a
         if a.kind == b.kind == "E":
-            return Kind("E", data_only=a.data_only and b.data_only)
+            return Kind("E", data_only=a.data_only and b.data_only, count=a.count if a.count == b.count else 0)
         if a.kind == b.kind == "A":
             return Kind("A", dens=a.dens + b.dens, means=a.means or b.means)
         return _x(node, f"{name} adds a sum over the batch to a mean or a per-sample value "
@@ -303,17 +429,20 @@ def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
     if t in (aten.mul.Tensor, aten.mul.Scalar):
         a, b = args
         if a is None or a.kind == "U":
-            return b
+            return _scale(node, node.args[0], facts, b, inverse=False)
         if b is None or b.kind == "U":
-            return a
+            return _scale(node, node.args[1], facts, a, inverse=False)
+        if a.kind == b.kind == "A":
+            return _x(node, f"{name} multiplies two means over the batch (a load-balancing auxiliary "
+                      "loss f . P is one): a product of batch means is no sum over samples, so no split "
+                      "of the batch keeps it (fix: loss_reduction=\"mean_per_rank\" to average it "
+                      "per micro-batch knowingly, as DDP does, or a layout with dp=1 and grad_accum=1)")
         return _x(node, f"{name} multiplies two batch-dependent values ({a.kind} x {b.kind}): not linear "
                   "in the batch")
     if t in (aten.div.Tensor, aten.div.Scalar):
         a, b = args
-        if b is None and a.kind == "E":
-            return _by_number(node, node.args[1], batch, a)
         if b is None or b.kind == "U":
-            return a
+            return _scale(node, node.args[1], facts, a, inverse=True)
         if b.kind == "E" and b.data_only and a.kind in "EB" and not a.dens:
             den = node.args[1]
             return Kind("A", dens=(den,)) if a.kind == "E" else Kind("B", a.dim, dens=(den,))
@@ -323,23 +452,29 @@ def _algebra(node: fx.Node, kinds: dict, batch: int) -> Kind:
 
 
 def _reduce(node: fx.Node, k: Kind, has_param: dict) -> Kind:
-    """sum / mean: over the batch dimension, a per-sample value becomes E / A."""
+    """sum / mean: over the batch dimension, a per-sample value becomes E / A. A sum's
+    element count is carried: per row through sums over other dims (``per``), then into the
+    batch sum's ``count``, and on through later sums of it."""
     shape = _shape(node.args[0]) or ()
     mean = node.target in _LINEAR_MEAN
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     dims = list(range(len(shape))) if not dims else [d % max(len(shape), 1) for d in dims]
-    if k.kind in "EA":  # over the remaining (non-batch) dims: still linear
+    added = math.prod(shape[d] for d in dims) if shape else 1
+    if k.kind == "E" and not mean:  # over the remaining (non-batch) dims: still linear
+        return Kind("E", data_only=k.data_only, count=k.count * added)
+    if k.kind in "EA":
         return k
     if k.dim not in dims:
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        return Kind("B", k.dim if keep else k.dim - sum(d < k.dim for d in dims), dens=k.dens)
+        return Kind("B", k.dim if keep else k.dim - sum(d < k.dim for d in dims), dens=k.dens,
+                    per=k.per if mean else k.per * added)
     if mean:
         if k.dens:
             return _x(node, "a mean over the batch of values divided by a batch sum")
         return Kind("A", means=True)
     if k.dens:
         return Kind("A", dens=k.dens)
-    return Kind("E", data_only=not has_param[node], count=math.prod(shape[d] for d in dims))
+    return Kind("E", data_only=not has_param[node], count=k.per * added)
 
 
 def _elementwise_loss(node: fx.Node, kinds: dict, has_param: dict) -> Kind:
@@ -357,12 +492,13 @@ def _elementwise_loss(node: fx.Node, kinds: dict, has_param: dict) -> Kind:
     if reduction == _MEAN:
         return Kind("A", means=True)
     if reduction == _SUM:
-        return Kind("E", data_only=not has_param[node])
+        return Kind("E", data_only=not has_param[node], count=math.prod(_shape(node.args[0]) or ()))
     return _pointwise(node, kinds)
 
 
 def _nll(node: fx.Node, kinds: dict, has_param: dict) -> list[Kind] | Kind:
-    """nll_loss_forward: (loss, total_weight)."""
+    """nll_loss_forward, nll_loss2d_forward (classes on dim 1, as a (B, C, T) cross entropy
+    lowers): (loss, total_weight), per sample along dim 0."""
     x, target, weight, reduction, _ = node.args
     kx, kt = kinds[x], kinds[target]
     if kx.kind != "B" or kx.dim != 0 or kt.kind not in "BU" or kx.dens:
@@ -370,7 +506,7 @@ def _nll(node: fx.Node, kinds: dict, has_param: dict) -> list[Kind] | Kind:
     data_only = not has_param[target] and (weight is None or not has_param[weight])
     total = Kind("E", data_only=data_only)
     if reduction == _SUM:
-        return [Kind("E"), total]
+        return [Kind("E", count=math.prod(_shape(target) or ())), total]
     if reduction == _MEAN:
         if not data_only:
             return _x(node, "nll_loss's class weights come from parameters")
@@ -402,7 +538,7 @@ def _same(node: fx.Node, k: Kind) -> Kind:
         d = _view_dim(src, out, d)
     if d is None:
         return _x(node, f"{t} reshapes the batch dimension")
-    return Kind("B", d, dens=k.dens)
+    return Kind("B", d, dens=k.dens, per=k.per)
 
 
 def _view_dim(src: tuple, out: tuple, d: int) -> int | None:
@@ -447,7 +583,8 @@ def _pointwise(node: fx.Node, kinds: dict) -> Kind:
     d, dens, why = _aligned(node, kinds, len(out))
     if d is None:
         return _x(node, f"{node.target}: {why}")
-    return Kind("B", d, dens=dens)
+    pers = {kinds[i].per for i in node.all_input_nodes if not isinstance(kinds[i], list) and kinds[i].kind == "B"}
+    return Kind("B", d, dens=dens, per=pers.pop() if len(pers) == 1 else 1)
 
 
 def _along_dims(node: fx.Node, kinds: dict, batch: int) -> Kind:
@@ -519,7 +656,7 @@ def _counter(gm: fx.GraphModule, dens: list[fx.Node], kinds_in: dict) -> Counter
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     needed: set[fx.Node] = set()
     for den in dens:
-        roots = [den] if den.target != aten.nll_loss_forward.default else [
+        roots = [den] if den.target not in _NLL else [
             a for a in (den.args[1], den.args[2]) if isinstance(a, fx.Node)]
         for r in roots:
             needed |= _ancestors(r)
@@ -539,7 +676,7 @@ def _counter(gm: fx.GraphModule, dens: list[fx.Node], kinds_in: dict) -> Counter
             return f"the normaliser reads {node.op} {node.target}"
     outs = []
     for den in dens:
-        if den.target == aten.nll_loss_forward.default:
+        if den.target in _NLL:
             outs.append(_total_weight(graph, env[den.args[1]], env.get(den.args[2]), den.args[4]))
         else:
             outs.append(env[den])
@@ -576,7 +713,7 @@ def rewrite_denominators(gm: fx.GraphModule, signature: GraphSignature,
         holder.meta["val"] = torch.empty((), dtype=_den_dtype(gm, signature, val), device=val.device)
         holder.meta["autopar"] = "the loss's normaliser summed over the step's pieces, / pieces"
         inputs.append((DENOMINATOR, str(i)))
-        if den.target == aten.nll_loss_forward.default:
+        if den.target in _NLL:
             _nll_over(graph, den, holder)
         else:
             den.replace_all_uses_with(holder)
@@ -601,7 +738,7 @@ def _nll_over(graph: fx.Graph, nll: fx.Node, holder: fx.Node) -> None:
     """(nll mean, total_weight) -> (nll sum / holder, holder)."""
     users = list(nll.users)
     with graph.inserting_before(nll.next):  # in order, after nll
-        summed = graph.call_function(aten.nll_loss_forward.default, (*nll.args[:3], _SUM, nll.args[4]))
+        summed = graph.call_function(nll.target, (*nll.args[:3], _SUM, nll.args[4]))
         summed.meta = dict(nll.meta)
         value = graph.call_function(operator.getitem, (summed, 0))
         value.meta["val"] = nll.meta["val"][0]
