@@ -32,7 +32,8 @@ runtime feeds d w_k with sum over all pieces of w_k = 1 for a mean):
 - "sum": the loss is extensive (``reduction="sum"``): w_k = 1;
 - "ratio": one data-only denominator D and otherwise only uniform terms, L = N / D + U:
   w_k = D_k / D, since sum_k (D_k / D)(N_k / D_k + U) = N / D + U. Only the seed changes, so
-  tensor parallelism and pipelines carry it;
+  tensor parallelism and pipelines carry it; a piece with D_k = 0 (all labels ignored) computes
+  0/0, so without TP and pipelines `for_layout` runs it as "global" instead;
 - "global": several denominators, or ratios beside means: every denominator node D_i is
   replaced by a new graph input fed D_i / P, D_i summed over all pieces before the step runs
   (`rewrite_denominators`). Piece k then computes c_i N_ik P / D_i, which averages (w_k = 1/P)
@@ -213,6 +214,17 @@ def analyze_loss(gm: fx.GraphModule, signature: GraphSignature) -> LossReduction
         return LossReduction("unproven", why=counter, node=dens[0])
     mode = "ratio" if len(dens) == 1 and not top.means else "global"
     return LossReduction(mode, counter=counter, denominators=dens)
+
+
+def for_layout(reduction: LossReduction, tp: int, pp: int) -> LossReduction:
+    """The reduction to execute under a layout: a "ratio" becomes "global" where the graph runs
+    without tensor parallelism and pipelines (the step-wide normaliser fed in: a piece without
+    a valid label computes 0 / (D / P) = 0, as one device adds nothing for it, where "ratio"'s
+    0 / 0 is a NaN); under TP or pipelines (which do not feed normalisers) it stays "ratio", and
+    the runtime refuses a step with such an empty piece."""
+    if reduction.mode == "ratio" and tp == 1 and pp == 1:
+        return LossReduction("global", counter=reduction.counter, denominators=list(reduction.denominators))
+    return reduction
 
 
 def _local_batch(gm: fx.GraphModule, kinds_in: dict) -> int:

@@ -12,9 +12,9 @@ from torch import nn
 from autopar import models
 from autopar.capture.joint import capture
 from cost.plan_types import GraphSignature
-from passes.loss_reduction import DENOMINATOR, analyze_loss, rewrite_denominators
+from passes.loss_reduction import DENOMINATOR, analyze_loss, for_layout, rewrite_denominators
 from runtime import executor
-from runtime.executor import seed_weights
+from runtime.executor import EmptyPieceError, seed_weights
 
 V = 7
 
@@ -98,14 +98,17 @@ def _batch(seed: int, b: int = 8, s: int = 5):
     return ids, labels
 
 
-def split_step(model: nn.Module, inputs: tuple, pieces: int):
+def split_step(model: nn.Module, inputs: tuple, pieces: int, tp_or_pp: bool = True):
     """The step as ``pieces`` pieces of the batch weighted and fed as the runtime does:
-    (loss, grads, mode)."""
+    (loss, grads, mode). ``tp_or_pp``: as under tensor parallelism or a pipeline (a "ratio"
+    stays one), else as `for_layout` settles it without them."""
     micro = tuple(x.chunk(pieces)[0] for x in inputs)
     graph = capture(model, micro)
     sig = _signature(graph)
     red = analyze_loss(graph.gm, sig)
     assert red.mode != "unproven", red.why
+    if not tp_or_pp:
+        red = for_layout(red, tp=1, pp=1)
     gm = graph.gm
     if red.mode == "global":
         sig = rewrite_denominators(gm, sig, red)
@@ -148,8 +151,8 @@ def _eager(model, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check(model, inputs, pieces):
-    loss, grads, mode = split_step(model, inputs, pieces)
+def _check(model, inputs, pieces, tp_or_pp=True):
+    loss, grads, mode = split_step(model, inputs, pieces, tp_or_pp)
     ref_loss, ref_grads = _eager(model, inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
@@ -225,3 +228,120 @@ def test_one_row_per_piece_splits_exactly(loss):
 def test_one_row_per_piece_still_refuses(loss):
     graph = capture(Net(loss), _batch(1, b=1))
     assert analyze_loss(graph.gm, _signature(graph)).mode == "unproven"
+
+
+def _refusal(loss, b: int = 8, s: int = 5) -> str:
+    LOSSES["_probe"] = loss
+    graph = capture(Net("_probe"), _batch(1, b=b, s=s))
+    red = analyze_loss(graph.gm, _signature(graph))
+    assert red.mode == "unproven" and red.node is not None
+    return red.why
+
+
+def _kl_flat(z, y, m):
+    return F.kl_div(z.flatten(0, 1).log_softmax(-1), (z.detach() * 0.5).flatten(0, 1).softmax(-1),
+                    reduction="batchmean")
+
+
+HAND_MEANS = {  # means over rows, tokens or elements written without a mean op
+    "soft_labels": lambda z, y, m: F.cross_entropy(
+        z.flatten(0, 1), F.one_hot(y.clamp(min=0).flatten(), V).float() * 0.9 + 0.1 / V),
+    "kl_batchmean_tokens": _kl_flat,
+    "sum_sum_numel": lambda z, y, m: z.square().sum(-1).sum() / z.numel(),
+    "rows_flat": lambda z, y, m: z.flatten(0, 1).square().sum(-1).sum() / z.flatten(0, 1).shape[0],
+    "times_inverse": lambda z, y, m: z.square().sum() * (1.0 / z.shape[0]),
+    "tensor_rows": lambda z, y, m: z.square().sum() / torch.tensor(float(z.shape[0])),
+    "scaled_sum": lambda z, y, m: z.square().sum() / 3,
+}
+
+
+@pytest.mark.parametrize("loss", sorted(HAND_MEANS))
+def test_hand_written_means_over_flattened_rows_average_the_pieces(loss):
+    """A sum divided (or multiplied) by a number proportional to the piece's rows averages the
+    pieces, whatever sums came before it; a constant that is no multiple of the rows scales a sum."""
+    LOSSES[loss] = HAND_MEANS[loss]
+    torch.manual_seed(0)
+    assert _check(Net(loss), _batch(1), pieces=2) == ("sum" if loss == "scaled_sum" else "mean")
+
+
+def test_divisors_that_could_be_a_mean_or_a_constant_are_refused():
+    # batch == seq: dividing by z.shape[1] is a constant, not a mean over the rows
+    why = _refusal(lambda z, y, m: z.square().sum() / z.shape[1], b=5, s=5)
+    assert "cannot tell" in why and "mean_per_rank" in why
+    # one row per piece: dividing by 1 (or by the tokens of one row) is no proof of a mean
+    assert "cannot tell" in _refusal(lambda z, y, m: z.square().sum() / z.shape[0], b=1)
+    assert "cannot tell" in _refusal(lambda z, y, m: z.square().sum() / (z.shape[0] * z.shape[1]), b=1)
+    # a multiple of the rows that counts no elements of the sum: refused, not guessed
+    assert "multiple" in _refusal(lambda z, y, m: z.square().sum() / (2 * z.shape[0]), b=8, s=5)
+
+
+def test_a_data_tensor_divisor_of_unknown_value_is_refused():
+    why = _refusal(lambda z, y, m: z.square().sum() / m.class_w.sum())
+    assert "cannot read" in why
+
+
+@pytest.mark.parametrize("loss", ["softmax_rows", "amax_rows"])
+def test_one_row_per_piece_still_refuses_ops_along_the_rows(loss):
+    LOSSES["softmax_rows"] = lambda z, y, m: (z.softmax(0) * z).sum()
+    LOSSES["amax_rows"] = lambda z, y, m: (z - z.amax(0, keepdim=True)).square().mean()
+    graph = capture(Net(loss), _batch(1, b=1))
+    red = analyze_loss(graph.gm, _signature(graph))
+    assert red.mode == "unproven" and "dim 0" in red.why
+
+
+@pytest.mark.parametrize("loss", ["ce", "masked", "two", "ce_2d"])
+def test_a_piece_without_valid_labels_splits_exactly_without_tp_or_pp(loss):
+    """All labels of the second half are padding: its own token mean is 0/0, the step's is not."""
+    LOSSES["ce_2d"] = lambda z, y, m: F.cross_entropy(z.transpose(1, 2), y)
+    torch.manual_seed(0)
+    ids, labels = _batch(4)
+    labels[4:] = -100
+    assert _check(Net(loss), (ids, labels), pieces=2, tp_or_pp=False) == "global"
+    if loss != "two":  # under TP or a pipeline it stays a ratio: a clear error, not a NaN
+        with pytest.raises(EmptyPieceError, match="tp=1 and pp=1"):
+            split_step(Net(loss), (ids, labels), pieces=2)
+
+
+def test_zoo_llama_with_an_all_padding_micro_batch_splits_exactly():
+    torch.manual_seed(0)
+    model = models.build("tiny-llama")
+    ids, labels = models.example_inputs("tiny-llama", batch=4, seq=8)
+    labels[2:] = -100
+    assert _check(model, (ids, labels), pieces=2, tp_or_pp=False) == "global"
+
+
+def test_seed_weights_refuse_an_empty_piece_of_another_rank():
+    class Ratio:
+        mode = "ratio"
+
+    counts = [torch.tensor([3.0]), torch.tensor([2.0])]
+    assert seed_weights(Ratio(), counts, torch.tensor([10.0]), dp=2, m=2) == [0.6, 0.4]
+    with pytest.raises(EmptyPieceError):
+        seed_weights(Ratio(), counts, torch.tensor([10.0]), dp=2, m=2, empty=1)
+    nan = seed_weights(Ratio(), [torch.tensor([0.0])] * 2, torch.tensor([0.0]), dp=1, m=2)
+    assert all(w != w for w in nan)  # the whole step empty: one device's 0/0 too
+
+
+def _ce_per_token_bct(z, y, m):
+    nll = F.cross_entropy(z.transpose(1, 2), y, reduction="none")
+    keep = y != -100
+    return torch.where(keep, nll, 0).sum() / keep.sum()
+
+
+def test_cross_entropy_with_classes_on_dim_1_splits_exactly():
+    """(B, C, T) logits lower to nll_loss2d: per token, class dim 1, batch dim 0."""
+    LOSSES["ce_bct"] = _ce_per_token_bct
+    LOSSES["ce_bct_mean"] = lambda z, y, m: F.cross_entropy(z.transpose(1, 2), y, label_smoothing=0.1)
+    torch.manual_seed(0)
+    assert _check(Net("ce_bct"), _batch(5), pieces=2) == "ratio"
+    assert _check(Net("ce_bct_mean"), _batch(5), pieces=2) == "global"
+
+
+def test_a_product_of_batch_means_says_what_to_do():
+    def aux(z, y, m):  # a load-balancing loss: fraction routed x mean router probability
+        p = z.flatten(0, 1).softmax(-1)
+        f = F.one_hot(p.argmax(-1), V).float().mean(0)
+        return F.cross_entropy(z.flatten(0, 1), y.flatten()) + 0.01 * V * (f * p.mean(0)).sum()
+
+    why = _refusal(aux)
+    assert "product of batch means" in why and "mean_per_rank" in why
