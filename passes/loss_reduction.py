@@ -333,13 +333,14 @@ def _kind(node: fx.Node, kinds: dict, kinds_in: dict, facts: _Facts):
 
 
 def _along_rows(node: fx.Node, kinds: dict) -> bool:
-    """At one row per piece (dims not told apart by size): whether ``node`` runs along dim 0 of
-    a per-sample input in a way that would mix the rows of a larger batch (`_along_dims`'s
-    refusals: a softmax, a reduction even with ``keepdim``, a change of its size)."""
+    """At one row per piece (dims not told apart by size): whether ``node`` combines values
+    along dim 0 of a per-sample input, which would mix the rows of a larger batch (a softmax, a
+    reduction even with ``keepdim``, a cumulative sum). Views and indexing are let through: after
+    a permute dim 0 need not be the batch, and they only move values."""
     schema = getattr(node.target, "_schema", None)
     first = next((i for i in node.all_input_nodes if kinds[i] != _U), None)
-    src, out = _shape(first), _shape(node)
-    if schema is None or src is None or not src or node.target == aten.cat.default:
+    src = _shape(first)
+    if schema is None or src is None or not src or node.target in _SAME:
         return False
     names = [a.name for a in schema.arguments]
     bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
@@ -348,8 +349,8 @@ def _along_rows(node: fx.Node, kinds: dict) -> bool:
     dims = list(range(len(src))) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
     if 0 not in [d % len(src) for d in dims]:
         return False
-    return (node.target in _ACROSS or "keepdim" in names or out is None or len(out) != len(src)
-            or out[0] != src[0])
+    return (node.target in _ACROSS or "keepdim" in names
+            or schema.name.removeprefix("aten::") in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"))
 
 
 def _value(node, kinds) -> Kind | None:

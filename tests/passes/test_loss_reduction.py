@@ -345,3 +345,25 @@ def test_a_product_of_batch_means_says_what_to_do():
 
     why = _refusal(aux)
     assert "product of batch means" in why and "mean_per_rank" in why
+
+
+class _Attention(nn.Module):
+    """Hand-written attention: a fused qkv permuted heads-first and unbound along dim 0."""
+
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.emb, self.qkv, self.out = heads, nn.Embedding(V, d), nn.Linear(d, 3 * d), nn.Linear(d, V)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = ((q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5).softmax(-1)
+        x = (a @ v).transpose(1, 2).reshape(b, t, d)
+        return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+def test_one_row_per_piece_lets_views_along_dim_0_through():
+    """At one row the checks along dim 0 refuse what combines values, not a permute or unbind."""
+    torch.manual_seed(0)
+    assert _check(_Attention(), _batch(6, b=4), pieces=4) == "ratio"
