@@ -366,4 +366,5 @@ class _Attention(nn.Module):
 def test_one_row_per_piece_lets_views_along_dim_0_through():
     """At one row the checks along dim 0 refuse what combines values, not a permute or unbind."""
     torch.manual_seed(0)
-    assert _check(_Attention(), _batch(6, b=4), pieces=4) == "ratio"
+    ids, labels = _batch(6, b=4)
+    assert _check(_Attention(), (ids, labels.clamp(min=0)), pieces=4) == "ratio"
