@@ -1,35 +1,24 @@
-"""A mean over valid tokens stays a mean over the whole step's valid tokens when it is split.
+"""The loss output weighted by its seed, and the mean nll a loss may be.
 
 A language-model loss is ``nll_loss(..., reduction="mean", ignore_index=-100)``: the sum over
 the tokens whose label is not ignored, divided by their count. Split over d data-parallel ranks
-and m micro-batches, each piece k computes its own mean L_k = S_k / n_k. Averaging the pieces,
-(1/(d m)) sum_k S_k / n_k, is the one-device loss S / N only when every n_k is the same; with
-padding labels spread unevenly it is not (issue: 5.809 against 5.706 after two steps on 4
-ranks). The one-device gradient is recovered by weighting piece k by n_k / N:
+and m micro-batches, each piece k computes its own mean L_k = S_k / n_k; weighting piece k by
+n_k / N recovers the one-device gradient:
 
     sum_k (n_k / N) * grad L_k = grad (sum_k S_k) / N = grad (S / N)
 
-Two rewrites make that so:
+`passes.loss_reduction` proves which losses split so (and computes the n_k); here:
 
-- `token_counter` extracts from the captured graph the computation of the loss's labels (the
-  ops between the user's inputs and the nll loss's target: transformers' shift of the labels,
-  a view) and counts the labels not ignored: n_k for a micro-batch, before it runs.
 - `weight_loss_by_seed` makes the graph's loss output ``loss * seed``, the seed being the
   loss's seed gradient (the tangent input): the reported loss is then weighted exactly as the
-  gradients are, and the pieces' weighted losses add up to S / N.
-
-`passes.loss_reduction` generalises the counter to any loss divided by data-only batch sums
-(and is what `autopar.parallelize` runs); `weight_loss_by_seed` serves both.
-
-The runtime feeds seed_k = d * n_k / N (the data-parallel pass divides by d again), with N the
-sum of the counts over micro-batches and ranks (one all-reduce of an integer per step). With
-equal counts the seed is 1/m, exactly what it is without a counter.
+  gradients are, and the pieces' weighted losses add up to the step's loss;
+- `mean_loss_node` finds the mean ``nll_loss`` that is the loss output, if it is one (the cost
+  model's facts read it).
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -45,22 +34,6 @@ WEIGHTS_LOSS = "autopar_weights_loss"
 # ops between the loss value and the graph output that keep its value
 _SAME_VALUE = {aten.view.default, aten.alias.default, aten.clone.default, aten.detach.default,
                aten.squeeze.default, aten.reshape.default}
-
-
-@dataclass
-class TokenCounter:
-    """Counts the labels a micro-batch's mean loss is taken over.
-
-    gm: (the user inputs listed in ``inputs``) -> the number of labels not ignored (int64).
-    inputs: which user inputs (indices of the step's example inputs) ``gm`` reads.
-    """
-
-    gm: fx.GraphModule
-    inputs: list[int]
-
-    def __call__(self, user_inputs: tuple[torch.Tensor, ...]) -> int:
-        with torch.no_grad():
-            return int(self.gm(*[user_inputs[i] for i in self.inputs]))
 
 
 def mean_loss_node(gm: fx.GraphModule, loss_index: int) -> fx.Node | None:
@@ -79,43 +52,6 @@ def mean_loss_node(gm: fx.GraphModule, loss_index: int) -> fx.Node | None:
     if reduction != _MEAN or weight is not None:
         return None
     return nll
-
-
-def token_counter(gm: fx.GraphModule, signature: GraphSignature) -> TokenCounter | None:
-    """The counter of the loss's valid labels, or None where the loss is not a mean nll over
-    labels computed from the user's inputs alone (then every piece's mean weighs the same)."""
-    nll = mean_loss_node(gm, signature.loss_index)
-    if nll is None:
-        return None
-    target, ignore_index = nll.args[1], nll.args[4]
-    kinds = dict(zip(signature.placeholders, signature.inputs))
-    needed: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-    stack = [target]
-    while stack:  # the labels' ancestors; they must come from user inputs only
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and kinds.get(node.name, ("", ""))[0] != "input":
-            return None  # labels computed from weights or buffers: not a token count
-        if node.op not in ("placeholder", "call_function"):
-            return None
-        needed.append(node)
-        stack.extend(node.all_input_nodes)
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[int] = []
-    for node in sorted(needed, key=order.__getitem__):
-        if node.op == "placeholder":
-            env[node] = graph.placeholder(node.name)
-            inputs.append(int(kinds[node.name][1].removeprefix("input")))
-        else:
-            env[node] = graph.node_copy(node, env.__getitem__)
-    valid = graph.call_function(aten.ne.Scalar, (env[target], ignore_index))
-    graph.output(graph.call_function(aten.sum.default, (valid,)))
-    return TokenCounter(fx.GraphModule(torch.nn.Module(), graph), inputs)
 
 
 def weight_loss_by_seed(gm: fx.GraphModule, signature: GraphSignature) -> None:

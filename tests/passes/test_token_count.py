@@ -1,14 +1,12 @@
-"""The token counter finds the loss's valid labels in the captured graph; the loss output is
-weighted by its seed."""
+"""The loss output is weighted by its seed; the mean nll a loss is, found in the graph."""
 
 import torch
-from hf_tiny import batch, build
 from torch import nn
 
 from autopar import models
 from autopar.capture.joint import capture
 from cost.plan_types import GraphSignature
-from passes.token_count import token_counter, weight_loss_by_seed
+from passes.token_count import mean_loss_node, weight_loss_by_seed
 
 
 def _signature(graph) -> GraphSignature:
@@ -18,22 +16,11 @@ def _signature(graph) -> GraphSignature:
                           loss_index=next(o.index for o in graph.outputs if o.kind == "loss"))
 
 
-def test_counts_the_labels_a_shifting_model_keeps():
-    """transformers' Llama shifts its labels (the last position of every row is padded with
-    -100): the count is that of the shifted labels, read from the graph."""
-    ids, labels = batch(size=4, seq=16)
-    labels[0, :5] = -100
-    graph = capture(build("llama"), (ids, labels))
-    counter = token_counter(graph.gm, _signature(graph))
-    assert counter is not None and counter.inputs == [1]
-    assert counter((ids, labels)) == int((labels[:, 1:] != -100).sum())
-
-
-def test_zoo_counts_its_labels():
-    ids, labels = models.example_inputs("tiny-llama", batch=4, seq=16)
-    labels[1, 3:] = -100
+def test_finds_the_mean_nll_of_the_zoo_loss():
+    ids, labels = models.example_inputs("tiny-llama", batch=2, seq=8)
     graph = capture(models.build("tiny-llama"), (ids, labels))
-    assert token_counter(graph.gm, _signature(graph))((ids, labels)) == int((labels != -100).sum())
+    nll = mean_loss_node(graph.gm, _signature(graph).loss_index)
+    assert nll is not None and nll.target == torch.ops.aten.nll_loss_forward.default
 
 
 class _Summed(nn.Module):
@@ -52,11 +39,11 @@ class _Mixed(_Summed):
         return nn.functional.cross_entropy(self.proj(x), y) + self.proj.weight.square().sum()
 
 
-def test_no_counter_where_the_loss_is_no_token_mean():
+def test_no_mean_nll_where_the_loss_is_no_token_mean():
     x, y = torch.randn(6, 8), torch.randint(0, 5, (6,))
     for model in (_Summed(), _Mixed()):
         graph = capture(model, (x, y))
-        assert token_counter(graph.gm, _signature(graph)) is None
+        assert mean_loss_node(graph.gm, _signature(graph).loss_index) is None
 
 
 def test_weighted_loss_is_loss_times_seed():
