@@ -362,7 +362,7 @@ _FIX_NUMBER = ("fix: a micro-batch size that differs from the model's other size
                "loss_reduction=\"mean_per_rank\", or a mean op (.mean(), reduction=\"mean\")")
 
 
-def _by_number(node: fx.Node, divisor: float, facts: _Facts, k: Kind) -> Kind:
+def _by_number(node: fx.Node, divisor: float, facts: _Facts, k: Kind, strict: bool = True) -> Kind:
     """A batch sum S of n = ``k.count`` elements divided by a number d (the capture bakes the
     piece's sizes in, so ``S / x.shape[0]``, ``S / x.numel()`` arrive as numbers).
 
@@ -371,7 +371,8 @@ def _by_number(node: fx.Node, divisor: float, facts: _Facts, k: Kind) -> Kind:
     that divides n (the rows, the flattened tokens, the elements): taken as a mean, unless d is
     also one of the model's other sizes (or a product of two, or 1), which a constant could be
     as well (ambiguous: refused). A d that is no multiple of b is a constant scale: S / d adds
-    up over the pieces. A multiple of b that does not divide n is refused, not guessed. At one
+    up over the pieces. A multiple of b that does not divide n is refused, not guessed (a
+    coefficient multiplied in, ``not strict``, is taken as a constant scale: ``0.1 * S``). At one
     row every d is a multiple of b: a d that could be a mean (one of the sizes dividing n) is
     refused as ambiguous, any other is a constant scale."""
     d = abs(float(divisor))
@@ -382,7 +383,7 @@ def _by_number(node: fx.Node, divisor: float, facts: _Facts, k: Kind) -> Kind:
     divides = bool(k.count) and k.count % d == 0
     if facts.batch == 1 and not (divides and d in facts.sizes):
         return constant  # a mean of one row would divide by one of the sizes
-    if d % facts.batch:
+    if d % facts.batch or (not divides and not strict):
         return constant
     if not divides:
         return _x(node, f"a sum over the batch divided by {d}, a multiple of the micro-batch's "
@@ -414,7 +415,7 @@ def _scale(node: fx.Node, other, facts: _Facts, k: Kind, inverse: bool) -> Kind:
         if other == 0:
             return Kind("E", data_only=k.data_only)
         other = 1.0 / other
-    return _by_number(node, other, facts, k)
+    return _by_number(node, other, facts, k, strict=inverse)
 
 
 def _algebra(node: fx.Node, kinds: dict, facts: _Facts) -> Kind:

@@ -368,3 +368,11 @@ def test_one_row_per_piece_lets_views_along_dim_0_through():
     torch.manual_seed(0)
     ids, labels = _batch(6, b=4)
     assert _check(_Attention(), (ids, labels.clamp(min=0)), pieces=4) == "ratio"
+
+
+def test_a_coefficient_on_a_sum_is_a_constant_scale():
+    """0.1 * S at two rows per piece: 1 / 0.1 = 10 is a multiple of the rows counting no
+    elements of S, so a coefficient, not a mean."""
+    LOSSES["coefficient"] = lambda z, y, m: 0.1 * z.square().sum()
+    torch.manual_seed(0)
+    assert _check(Net("coefficient"), _batch(1), pieces=4) == "sum"

@@ -6,7 +6,9 @@ parameters after SGD steps match one device (fp32, rtol 1e-5) under dp=2, dp=2 x
 dp=1 x grad_accum=2 and a pipeline (pp=2, 2 micro-batches: the losses with one normaliser), on a
 model of our own and on the zoo's tiny Llama. A loss that is not linear in the batch is refused
 by ``parallelize`` with its op and the fix, and accepted with ``loss_reduction="mean_per_rank"``.
-A second ``loss.backward()`` after ``retain_graph=True`` accumulates again, as eager does.
+A second ``loss.backward()`` after ``retain_graph=True`` accumulates again, as eager does. A
+piece whose labels are all padding gives no NaN one device would not: the step is exact, or
+(under a pipeline) every rank raises `runtime.executor.EmptyPieceError`.
 """
 
 import copy
@@ -122,6 +124,35 @@ def _worker(rank: int, world: int) -> list[tuple]:
     if not close(loss.detach(), torch.stack(halves).mean().detach()):
         failures.append(("mean_per_rank: not the mean of the ranks' losses", loss.item()))
     failures += _second_backward()
+    failures += _all_padding_pieces(zoo)
+    return failures
+
+
+def _all_padding_pieces(zoo) -> list[tuple]:
+    """A piece whose labels are all padding: its own token mean is 0/0. Without TP and
+    pipelines the step is exact once `passes.loss_reduction.for_layout` settles the loss as
+    "global" (else every rank raises `EmptyPieceError`, never a NaN one device would not give);
+    under a pipeline (the normaliser rides on the seeds) every rank raises it."""
+    import autopar
+    from runtime.executor import EmptyPieceError
+
+    failures = []
+    own = _batch(V)
+    own[1][4:] = -100  # rank 1's half of the batch: no valid label
+    try:
+        failures += _run(Head("masked"), own, {"dp": 2}, ("own", "all-padding rank"))
+    except EmptyPieceError as exc:
+        if "tp=1 and pp=1" not in str(exc):
+            failures.append(("empty piece error text", str(exc)))
+    padded = (zoo[0], zoo[1].clone())
+    padded[1][4:] = -100  # the second micro-batch: no valid label
+    pm = autopar.parallelize(Head("masked", zoo=True), 2, example_inputs=padded,
+                             layout=autopar.Layout(pp=2, grad_accum=2))
+    try:
+        pm(*padded)
+        failures.append(("pipeline: an all-padding micro-batch not refused",))
+    except EmptyPieceError:
+        pass
     return failures
 
 
