@@ -371,8 +371,10 @@ def _by_number(node: fx.Node, divisor: float, facts: _Facts, k: Kind, strict: bo
     that divides n (the rows, the flattened tokens, the elements): taken as a mean, unless d is
     also one of the model's other sizes (or a product of two, or 1), which a constant could be
     as well (ambiguous: refused). A d that is no multiple of b is a constant scale: S / d adds
-    up over the pieces. A multiple of b that does not divide n is refused, not guessed (a
-    coefficient multiplied in, ``not strict``, is taken as a constant scale: ``0.1 * S``). At one
+    up over the pieces. A multiple of b that does not divide n is refused, not guessed. A
+    factor multiplied in (``not strict``: ``0.1 * S``, ``S * (1 / b)``) is a coefficient as
+    often as a mean: one whose inverse could be a mean is refused as ambiguous, any other is a
+    constant scale. At one
     row every d is a multiple of b: a d that could be a mean (one of the sizes dividing n) is
     refused as ambiguous, any other is a constant scale."""
     d = abs(float(divisor))
@@ -385,6 +387,11 @@ def _by_number(node: fx.Node, divisor: float, facts: _Facts, k: Kind, strict: bo
         return constant  # a mean of one row would divide by one of the sizes
     if d % facts.batch or (not divides and not strict):
         return constant
+    if not strict:
+        return _x(node, f"a sum over the batch times 1/{d}: a mean over the micro-batch of "
+                  f"{facts.batch} row(s) or a coefficient; autopar cannot tell which (fix: write a "
+                  "mean as a division, S / x.shape[0], or a mean op; or use loss_reduction="
+                  "\"mean_per_rank\")")
     if not divides:
         return _x(node, f"a sum over the batch divided by {d}, a multiple of the micro-batch's "
                   f"{facts.batch} rows that is not a count of the elements the sum added: neither a "

@@ -249,7 +249,6 @@ HAND_MEANS = {  # means over rows, tokens or elements written without a mean op
     "kl_batchmean_tokens": _kl_flat,
     "sum_sum_numel": lambda z, y, m: z.square().sum(-1).sum() / z.numel(),
     "rows_flat": lambda z, y, m: z.flatten(0, 1).square().sum(-1).sum() / z.flatten(0, 1).shape[0],
-    "times_inverse": lambda z, y, m: z.square().sum() * (1.0 / z.shape[0]),
     "tensor_rows": lambda z, y, m: z.square().sum() / torch.tensor(float(z.shape[0])),
     "scaled_sum": lambda z, y, m: z.square().sum() / 3,
 }
@@ -370,9 +369,11 @@ def test_one_row_per_piece_lets_views_along_dim_0_through():
     assert _check(_Attention(), (ids, labels.clamp(min=0)), pieces=4) == "ratio"
 
 
-def test_a_coefficient_on_a_sum_is_a_constant_scale():
-    """0.1 * S at two rows per piece: 1 / 0.1 = 10 is a multiple of the rows counting no
-    elements of S, so a coefficient, not a mean."""
-    LOSSES["coefficient"] = lambda z, y, m: 0.1 * z.square().sum()
+def test_a_coefficient_on_a_sum_is_a_constant_scale_or_refused_as_ambiguous():
+    """At two rows per piece (70 elements summed): 0.125 * S, 1/0.125 = 8 counting no elements,
+    is a coefficient; 0.1 * S (10 divides 70) and S * (1 / rows) could be means: refused."""
+    LOSSES["coefficient"] = lambda z, y, m: 0.125 * z.square().sum()
     torch.manual_seed(0)
     assert _check(Net("coefficient"), _batch(1), pieces=4) == "sum"
+    for loss in (lambda z, y, m: 0.1 * z.square().sum(), lambda z, y, m: z.square().sum() * (1.0 / z.shape[0])):
+        assert "cannot tell" in _refusal(loss, b=2)
