@@ -24,6 +24,14 @@ assumes. Anything else reaching the loss (a batch-reduced value squared or logge
 median over the batch, a product of two means, a sum added to a mean) is refused with the
 op and the user's source line.
 
+A mean written by hand arrives as a batch sum divided by a number (the capture bakes the
+piece's sizes in): `_by_number` takes it as a mean only when the number is a multiple of the
+piece's rows dividing the count of elements the sums added, and refuses it where that number
+is also one of the model's other sizes (a constant could be it too) or is a multiple of the
+rows counting no elements. A tensor divisor is a uniform scale only when computed from
+parameters; a data tensor is read as a number, or refused. At one row per piece the dims
+cannot be told apart by size: ops that combine values along dim 0 are refused there.
+
 The pieces then add up to L in one of four ways (`LossReduction.mode`), each a choice of the
 loss's seed gradient s_k for piece k (the data-parallel pass divides it by d again, so the
 runtime feeds d w_k with sum over all pieces of w_k = 1 for a mean):
