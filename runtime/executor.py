@@ -14,7 +14,8 @@ valid tokens, class weights, a mask's sum: `passes.loss_reduction`) the seeds an
 rewritten normalisers make the pieces add up to the one-device loss: the counter computes
 each micro-batch's normalisers before the step, summed over the micro-batches and all-reduced
 over the d data-parallel ranks (one all-reduce per step); a single normaliser N weights
-micro-batch k by its share, seed d * n_k / N, several are fed to the graph as N / (d m)
+micro-batch k by its share, seed d * n_k / N (a piece with n_k = 0 while N > 0 would compute
+0/0: every rank raises `EmptyPieceError`), several are fed to the graph as N / (d m)
 (`LossReduction.mode`). The graph returns its loss weighted
 by the seed (`weight_loss_by_seed`), and the reported loss is the sum of the m weighted losses:
 the mean of the step, either way. With an
