@@ -80,7 +80,7 @@ from cost.step import check_layout
 from passes.data_parallel import apply_data_parallel
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
-from passes.loss_reduction import LossReduction, analyze_loss, rewrite_denominators
+from passes.loss_reduction import LossReduction, analyze_loss, for_layout, rewrite_denominators
 from passes.pipeline_split import PipelineSplitError, split_backward, split_pipeline
 from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
@@ -125,7 +125,7 @@ def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> Lo
             "sums (or mixes a ratio with a mean); feeding their step-wide values is not executed under "
             "tensor parallelism or pipelines yet: use tp=1 and pp=1, a loss with one normaliser "
             "(a plain token mean), or loss_reduction=\"mean_per_rank\"")
-    return reduction
+    return for_layout(reduction, lay.tp, lay.pp)
 
 
 def parallelize(

@@ -113,6 +113,8 @@ class Plan:
                 f"  solver   {self.solve.get('method', '?')}: {self.solve.get('evaluated', 0)} layouts "
                 f"evaluated in {self.solve.get('time_s', 0):.2f} s"
             )
+            if self.solve.get("batch_note"):
+                lines.append(f"  note     {self.solve['batch_note']}")
         judged = self._as_run()
         source, coverage = f"the {self.cluster.name} cost profile", self.cluster.fit_coverage
         for note in coverage_notes(judged, coverage, source, self.cluster.nodes):
