@@ -80,6 +80,10 @@ LOSSES = {
 }
 # one normaliser (or none): these run under every layout
 RUN_EVERYWHERE = ("token-mean", "masked-mean", "class-weighted")
+# found by this catalogue, not fixed yet: a raw error (never a wrong number), held here so the
+# cell flags itself once it runs. DTensor's loss-parallel nll_loss forward gathers the class
+# weights at the ignored label (-100) instead of a safe index.
+KNOWN_CRASHES = {("class-weighted", "tp2"): "index -100 is out of bounds"}
 
 
 def _layouts():
@@ -128,9 +132,11 @@ def _worker(rank: int, world: int, zoo: bool) -> list:
 
 def _check(rows: list) -> None:
     print("\n".join(f"{loss:16s} {name:10s} {verdict:8s} {detail[:120]}" for loss, name, verdict, detail in rows))
-    wrong = [r for r in rows if r[2] in ("wrong", "crashed")]
+    known = {(r[0], r[1]) for r in rows if r[2] == "crashed" and KNOWN_CRASHES.get((r[0], r[1]), "?") in r[3]}
+    assert known == set(KNOWN_CRASHES), f"a known crash now runs or fails otherwise: {known}"
+    wrong = [r for r in rows if r[2] in ("wrong", "crashed") and (r[0], r[1]) not in known]
     assert not wrong, wrong
-    must_run = [r for r in rows if r[0] in RUN_EVERYWHERE and r[2] != "exact"]
+    must_run = [r for r in rows if r[0] in RUN_EVERYWHERE and r[2] != "exact" and (r[0], r[1]) not in known]
     assert not must_run, must_run
 
 
