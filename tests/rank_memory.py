@@ -10,7 +10,7 @@ from runtime.memory import peak_live_bytes
 
 def rank_peak_extra_bytes(pm, batch, dp_rank: int = 0, dp: int = 1) -> int:
     """`peak_live_bytes(...).extra_bytes` of ``pm``'s graph for one micro-batch: its local
-    parameter shards, the data-parallel rank's slice of ``batch`` and the loss's seed."""
+    parameter shards, the data-parallel rank's slice of ``batch`` and the loss's scalars."""
     graph = pm._rank_graph
     params = dict(pm.named_parameters())
     args = []
@@ -20,8 +20,8 @@ def rank_peak_extra_bytes(pm, batch, dp_rank: int = 0, dp: int = 1) -> int:
             args.append(p.to_local() if isinstance(p, DTensor) else p.detach())
         elif kind == "input":
             args.append(batch[int(name)].chunk(dp)[dp_rank])
-        else:  # the loss's seed, one micro-batch
-            assert kind == "tangent", kind
+        else:  # the loss's seed, or a step-wide loss denominator: scalars whose value moves no byte
+            assert kind in ("tangent", "denominator"), kind
             args.append(torch.ones(()))
     with torch.no_grad():
         return peak_live_bytes(graph.gm, *args).extra_bytes

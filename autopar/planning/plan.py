@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.errors import InputError
+from autopar.planning.collectives import param_collectives
 from autopar.report import fmt_bytes, fmt_count, fmt_time, json_ready, table
 from autopar.search.decisions import decide
 from autopar.search.manual import standard_layouts
 from autopar.search.step import CapturedStep
-from autopar.strategies.tp_recipe import COL, ROW, VOCAB
 from cost import Cluster, Layout
 from cost.layout import unsupported_decisions
 from cost.plan_types import Fallback, PlanDecisions
@@ -212,7 +212,7 @@ class Plan:
             groups.setdefault(key, []).append(name)
         rows = []
         for (pattern, placement, role, zero_sharded), names in sorted(groups.items()):
-            collectives = _collectives_of(role, self.layout, zero_sharded)
+            collectives = param_collectives(role, self.layout, zero_sharded)
             rows.append([pattern, f"x{len(names)}", role, ", ".join(f"{a}:{p}" for a, p in placement), collectives])
         return table(["parameter", "count", "tp role", "placement", "collectives it causes"], rows)
 
@@ -355,26 +355,6 @@ def _fold(items: list[str]) -> str:
         key = re.sub(r"(?<=\.)\d+(?=\.)|(?<=block )\d+", "*", item)
         counts[key] = counts.get(key, 0) + 1
     return "; ".join(f"{k} (x{n})" if n > 1 else k for k, n in counts.items())
-
-
-def _collectives_of(role: str, layout: Layout, zero_sharded: bool) -> str:
-    """The collectives a parameter's placement causes, in words."""
-    parts = []
-    if layout.dp * layout.cp > 1:
-        zero = layout.zero if zero_sharded else 0  # a weight ZeRO cannot split stays whole
-        parts.append({0: "grad all-reduce", 1: "grad reduce-scatter + weight all-gather",
-                      2: "grad reduce-scatter + weight all-gather",
-                      3: "weight all-gather fwd+bwd, grad reduce-scatter"}[zero])
-    if layout.tp > 1:
-        if role == COL:
-            parts.append("input all-gather (SP)" if layout.sp else "input-grad all-reduce")
-        elif role == ROW:
-            parts.append("output reduce-scatter (SP)" if layout.sp else "output all-reduce")
-        elif role == VOCAB:
-            parts.append("output all-reduce")
-        elif layout.sp:
-            parts.append("grad all-reduce over tp (SP)")
-    return "; ".join(parts) or "none"
 
 
 def make_plan(step: CapturedStep, cluster: Cluster, layout: Layout, model: str = "",

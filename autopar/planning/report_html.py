@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autopar.errors import InputError
+from autopar.planning.collectives import param_collectives
 from autopar.planning.measured import read_measured
 from autopar.planning.timeline import DP, P2P, TRACKS, predicted_spans
 from autopar.report import fmt_bytes, fmt_count, fmt_time
@@ -175,8 +176,6 @@ def _measured_figure(plan: Plan, measured: str | Path):
 
 
 def _placements_html(plan: Plan) -> str:
-    from autopar.planning.plan import _collectives_of
-
     groups: dict[tuple, int] = {}
     for name, placement in plan.placements.items():
         pattern = re.sub(r"\.\d+\.", ".*.", name)
@@ -186,7 +185,7 @@ def _placements_html(plan: Plan) -> str:
         groups[key] = groups.get(key, 0) + 1
     body = "".join(
         f"<tr><td><code>{html.escape(p)}</code></td><td>x{n}</td><td>{html.escape(role)}</td>"
-        f"<td>{html.escape(pl)}</td><td>{html.escape(_collectives_of(role, plan.layout, z))}</td></tr>"
+        f"<td>{html.escape(pl)}</td><td>{html.escape(param_collectives(role, plan.layout, z))}</td></tr>"
         for (p, pl, role, z), n in sorted(groups.items()))
     return ("<table><tr><th>parameter</th><th>count</th><th>tp role</th><th>placement</th>"
             f"<th>collectives it causes</th></tr>{body}</table>")
