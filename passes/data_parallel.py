@@ -82,7 +82,7 @@ def apply_data_parallel(
     with an all-reduce and keeps the rank's rows, the faster way on gloo (its reduce-scatter is
     slower than an all-reduce of the same tensor, 38 vs 31 ms for 17 MB on 4 ranks of the dev
     box, and its issue call copied the input synchronously, up to 100 ms inside a training
-    step, 2026-11-30).
+    step).
     sync, for gradient accumulation without a reduction per micro-batch (DDP's ``no_sync``):
     "reduce" (default) reduces this graph's gradients and loss; "none" leaves them local (the
     graph of the first micro-batches); "accumulated" adds one input per gradient and one for
