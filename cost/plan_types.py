@@ -151,6 +151,9 @@ class PlanDecisions:
     fp8: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
     # FP8 candidates the plan keeps in high precision ("auto": FP8 would not pay at their shape)
     fp8_high: list[str] = field(default_factory=list)
+    # fused projections (one weight split per part under TP: GPT-2's qkv, Phi-3's gate|up) the
+    # layout asks FP8 of but runs in high precision: no FP8 matmul rule for such a split
+    fp8_fused_high: list[str] = field(default_factory=list)
     comm: CommPlan = field(default_factory=CommPlan)
     fallbacks: list[Fallback] = field(default_factory=list)
 
@@ -197,6 +200,7 @@ class PlanDecisions:
                                     for c in self.recompute_per_stage],
             "fp8": list(self.fp8),
             "fp8_high": list(self.fp8_high),
+            "fp8_fused_high": list(self.fp8_fused_high),
             "comm": asdict(self.comm),
             "fallbacks": [asdict(f) for f in self.fallbacks],
         }
@@ -218,6 +222,7 @@ class PlanDecisions:
                                       for c in data.get("recompute_per_stage", [])),
             fp8=list(data["fp8"]),
             fp8_high=list(data.get("fp8_high", [])),
+            fp8_fused_high=list(data.get("fp8_fused_high", [])),
             comm=CommPlan(**data["comm"]),
             fallbacks=[Fallback(**f) for f in data["fallbacks"]],
         )

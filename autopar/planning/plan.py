@@ -192,15 +192,18 @@ class Plan:
     def _fp8_line(self) -> str:
         """Which weight matmuls run in FP8, under which recipe, and which stay high."""
         lay = self.layout
+        fused = self.decisions.fp8_fused_high
+        fused_line = ("\n  kept in high precision under TP (a fused projection split per part has "
+                      "no FP8 matmul rule; FP8 with tp=1 runs them): " + _fold(fused)) if fused else ""
         if not self.fp8:
             why = " (none chosen: FP8 would not pay at these shapes)" if lay.uses_fp8 else ""
-            return "fp8 matmuls: none" + why
+            return "fp8 matmuls: none" + why + fused_line
         how = {"auto": "chosen per matmul by predicted gain", "all": "every weight matmul"}.get(
             lay.fp8, "as asked") if isinstance(lay.fp8, str) else "as asked"
         line = f"fp8 matmuls ({lay.fp8_recipe} scales, {how}): {_fold(self.fp8)}"
         if self.decisions.fp8_high:
             line += "\n  kept in high precision: " + _fold(self.decisions.fp8_high)
-        return line
+        return line + fused_line
 
     def _placement_table(self) -> str:
         """Placements grouped by parameter pattern (block indices folded into '*')."""

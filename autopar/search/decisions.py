@@ -20,6 +20,7 @@ from cost.plan_types import (
     ParamPlan,
     PlanDecisions,
     RecomputeChoice,
+    fp8_group,
 )
 from cost.step import StepFacts, recompute_choices, zero_reduction
 from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, stage_of, virtual_stages
@@ -41,6 +42,7 @@ def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
         recompute_per_stage=per_stage,
         fp8=_fp8_weights(facts, cluster, layout),
         fp8_high=_fp8_kept_high(facts, cluster, layout),
+        fp8_fused_high=_fp8_fused_high(facts, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter",
                       reshard_after_forward=layout.reshard),
         fallbacks=[Fallback(op, "no sharding strategy on its inputs: gathered, run replicated")
@@ -120,6 +122,18 @@ def _fp8_weights(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str
     "auto" by the predicted gain of each block-tied group), as passes/fp8.py rewrites them."""
     nodes = fp8_nodes(facts, cluster, layout)
     return sorted(set(facts.nodes.fp8_weight[nodes].tolist()))
+
+
+def _fp8_fused_high(facts: StepFacts, layout: Layout) -> list[str]:
+    """Weights FP8 was asked of that run in high precision because TP splits them per part (a
+    fused projection, `fp8_candidates`): named in the plan so that nothing is kept silently."""
+    if not layout.uses_fp8 or layout.tp == 1:
+        return []
+    asked = layout.fp8
+    names = {w for w in facts.nodes.fp8_weight.tolist() if w and facts.param_tp_parts.get(w, 1) > 1}
+    if isinstance(asked, (tuple, list)):  # only the weights (or block-tied groups) asked for
+        names = {w for w in names if w in asked or fp8_group(w) in asked}
+    return sorted(names)
 
 
 def _fp8_kept_high(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str]:

@@ -142,5 +142,9 @@ def test_fp8_asked_by_name_never_silently_stays_high():
                      layout=autopar.Layout(tp=2, fp8=("layers.*.attn.qkv.weight",)))
     plan = autopar.plan(model, inputs, cluster=cluster, layout=autopar.Layout(tp=2, fp8="all"))
     assert plan.fp8 and not any("qkv" in w for w in plan.fp8)  # "all": every weight that can
+    kept = plan.decisions.fp8_fused_high  # ... and the plan names the ones that cannot
+    assert kept and all("qkv" in w for w in kept), kept
+    assert "kept in high precision under TP" in plan.summary() and "attn.qkv.weight" in plan.summary()
+    assert type(plan.decisions).from_dict(plan.decisions.to_dict()).fp8_fused_high == kept
     one = autopar.plan(model, inputs, cluster=cluster, layout=autopar.Layout(dp=2, fp8="all"))
-    assert any("qkv" in w for w in one.fp8)
+    assert any("qkv" in w for w in one.fp8) and not one.decisions.fp8_fused_high
