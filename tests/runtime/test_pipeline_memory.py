@@ -87,7 +87,10 @@ def _held_worker(rank: int, world: int, schedule: str, m: int) -> tuple:
     return stage, state["peak_saved"], float(per_stage[stage] * flight), state["peak_stash"], float(stash)
 
 
-@pytest.mark.parametrize("schedule", ["afab", "1f1b", "zero-bubble"])
+# zero-bubble's stash checked in the default suite; the other schedules hold what 1F1B holds
+# at most (slow)
+@pytest.mark.parametrize("schedule", [pytest.param("afab", marks=pytest.mark.slow),
+                                      pytest.param("1f1b", marks=pytest.mark.slow), "zero-bubble"])
 def test_saved_values_in_flight_are_priced(schedule):
     for stage, measured, predicted, stash, stash_priced in spawn(_held_worker, 2, args=(schedule, 4),
                                                                  timeout_s=300):
