@@ -235,6 +235,7 @@ def parallelize(
         dp=lay.dp,
         dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
         pipeline=pipeline,
+        other_index=_other_outputs(graph),
     )
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
     # (under a pipeline only those of this rank's stage)
@@ -244,7 +245,17 @@ def parallelize(
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in signature.placeholder_of("param") if held is None or p in held]
     return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, canonical,
-                          local_batch=local_batch, unloaded=unloaded, original=model, loss_fn=loss_fn)
+                          local_batch=local_batch, unloaded=unloaded, original=model, loss_fn=loss_fn,
+                          output_tree=graph.output_tree)
+
+
+def _other_outputs(graph) -> list[int]:
+    """Output indices of the forward's tensors other than the loss, in `OutputTree` order
+    (the capture names them output1, output2, ...)."""
+    if graph.output_tree is None:
+        return []
+    index = {o.name: o.index for o in graph.outputs if o.kind == "other"}
+    return [index[f"output{k + 1}"] for k in range(len(graph.output_tree.tensor_leaves))]
 
 
 def _check_call(model: nn.Module, mesh, example_inputs, loss_reduction: str) -> tuple[int, str]:
