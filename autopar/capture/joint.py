@@ -132,10 +132,7 @@ def capture(
         fake_inputs = tuple(_to_fake(x, fake_mode, dtype) for x in example_inputs)
         out = _preflight(root, fake_inputs, fake_mode, module_names)
         tree = _output_tree(out, model)
-        if tree is not None:
-            root.tree = tree  # the graph returns (loss, *the other tensors)
-        elif loss_fn is None:
-            root = model  # the loss alone: the model's own names, no wrapper
+        root.tree = tree  # with a tree, the graph returns (loss, *the other tensors)
         t_preflight = time.perf_counter() - t0
         try:
             with _track_modules({id(m): n for n, m in model.named_modules()}):
