@@ -162,12 +162,13 @@ class _PipelineStep(torch.autograd.Function):
         seeds, denominators = _seeds(rank_graph, user_inputs, buffers, user_inputs[0].device)
         if denominators is not None:  # parallelize refuses this layout; a guard
             raise NotImplementedError("a pipeline stage cannot feed the loss's normalisers")
-        loss, grads = run_pipeline_step(plan, local, buffers, user_inputs, seeds)
+        loss, grads, others = run_pipeline_step(plan, local, buffers, user_inputs, seeds,
+                                                merge=merge_micro_batches)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
             loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank)
         _save_grads(ctx, _as_parameters(grads, names, params))
-        return loss
+        return _with_others(ctx, loss, others)
 
     backward = staticmethod(_JointStep.backward)
 

@@ -218,7 +218,7 @@ def parallelize(
     inputs = list(signature.inputs)
     pipeline, accumulate_gm = None, None
     if lay.pp > 1:  # after every other pass: the stages run the rewritten graph's nodes
-        pipeline = _pipeline(gm, signature, captured_stage, decisions, mesh, lay.tp > 1)
+        pipeline = _pipeline(gm, signature, captured_stage, decisions, mesh, lay.tp > 1, _other_outputs(graph))
     elif lay.dp > 1:
         accumulate_gm = _data_parallel(gm, signature, shapes, decisions, mesh)
         inputs += [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
@@ -347,7 +347,7 @@ def _data_parallel(gm, signature: GraphSignature, shapes: dict, decisions: PlanD
 
 
 def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], decisions: PlanDecisions,
-              mesh: DeviceMesh, retraced: bool) -> PipelinePlan:
+              mesh: DeviceMesh, retraced: bool, others: Sequence[int] = ()) -> PipelinePlan:
     """Cut this rank's graph into the plan's stages (`passes.pipeline_split`) and set up the
     groups the step talks over: the pipeline's ranks, the stages sharing a parameter.
 
@@ -378,7 +378,7 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], dec
             f"rounds of pp={lay.pp} and needs grad_accum ({m}) to be a multiple of the number of "
             f"rounds ({rounds}): use grad_accum <= pp or a multiple of pp")
     try:  # one stage per entry of the plan's stages (v per rank under interleaving)
-        split = split_pipeline(gm, signature, node_stage, len(decisions.stages))
+        split = split_pipeline(gm, signature, node_stage, len(decisions.stages), others)
     except PipelineSplitError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: the stages {decisions.stages} cannot be "
                                      f"run: {exc}") from exc

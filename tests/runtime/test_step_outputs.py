@@ -4,9 +4,9 @@ A forward returning ``(loss, logits)``, a dict (with a None field and a scalar m
 transformers ModelOutput: ``pm(*batch)`` gives back the same structure, the step's loss in the
 loss's place (equal to one device's on the whole batch), every other tensor equal to one
 device's on this rank's slice of the batch (DDP's semantics; whole logits under TP), the
-micro-batches' values concatenated (a scalar averaged); gradients and SGD updates as on one
-device (only the loss is differentiated). Layouts dp=2 x grad_accum=2 and tp=2 on two gloo
-ranks, dp=1 x grad_accum=2 on one.
+micro-batches' values concatenated (a scalar averaged), under a pipeline on every rank;
+gradients and SGD updates as on one device (only the loss is differentiated). Layouts
+dp=2 x grad_accum=2, tp=2 and pp=2 x grad_accum=2 on two gloo ranks (one spawn).
 """
 
 import copy
@@ -111,17 +111,19 @@ def _hf():
     return build("llama", seed=2, output=True)
 
 
-def _worker(rank: int, world: int, layouts: list[dict]) -> list[tuple]:
+def _worker(rank: int, world: int, layouts: list[tuple[dict, tuple[str, ...]]]) -> list[tuple]:
     from hf_tiny import batch as hf_batch
 
     failures = []
-    for degrees in layouts:
-        for kind in ("tuple", "dict"):
+    for degrees, kinds in layouts:
+        for kind in kinds:
             failures += _check(lambda k=kind: Own(k), _batch(), degrees, ("own", kind))
         failures += _check(_hf, hf_batch(size=4, seq=8), degrees, ("hf llama",))
     return failures
 
 
 def test_outputs_in_the_module_structure_on_two_ranks():
-    layouts = [{"dp": 2, "grad_accum": 2}, {"tp": 2}]
+    # the dict's "hidden" is made on the first pipeline stage, its logits on the last
+    layouts = [({"dp": 2, "grad_accum": 2}, ("tuple", "dict")), ({"tp": 2}, ("tuple",)),
+               ({"pp": 2, "grad_accum": 2}, ("dict",))]
     assert spawn(_worker, 2, (layouts,), timeout_s=900) == [[], []]
