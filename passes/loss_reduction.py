@@ -48,6 +48,8 @@ runtime feeds d w_k with sum over all pieces of w_k = 1 for a mean):
   to c_i N_i / D_i, while means and uniform terms average as in "mean". The forward and the
   backward read the same node, so both see the global value. A mean ``nll_loss`` is rewritten
   as its sum divided by the new input; its backward already divides by ``total_weight``.
+  The inputs are scalars computed from data only: replicated under TP, fed to every pipeline
+  stage that reads them.
 
 ``Counter`` computes every D_i of one micro-batch from its user inputs and buffers (ops copied
 from the captured graph; a ``total_weight`` from the labels and class weights).

@@ -160,10 +160,9 @@ class _PipelineStep(torch.autograd.Function):
             t = p.to_local() if isinstance(p, DTensor) else p
             local[name] = gather_rows(t, dp, group) if name in sharded else t
         seeds, denominators = _seeds(rank_graph, user_inputs, buffers, user_inputs[0].device)
-        if denominators is not None:  # parallelize refuses this layout; a guard
-            raise NotImplementedError("a pipeline stage cannot feed the loss's normalisers")
         loss, grads, others = run_pipeline_step(plan, local, buffers, user_inputs, seeds,
-                                                merge=merge_micro_batches)
+                                                merge=merge_micro_batches,
+                                                denominators=() if denominators is None else denominators)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
             loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank)

@@ -48,6 +48,8 @@ class StageFeeds:
     seed: torch.Tensor  # the loss's seed gradient (a 0-dim tensor)
     # the forward's other outputs this stage made (name -> value), written by `run_forward`
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the loss's normalisers over the whole step, / pieces ("global" `LossReduction`), by index
+    denominators: Sequence[torch.Tensor] = ()
 
 
 # a stage's "buffer update" of this name is one of the forward's other outputs (logits beside
@@ -146,6 +148,9 @@ def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), gr
         elif kind == "zero_tangent":
             val = holder.meta["val"]
             args.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=feeds.seed.device))
+        elif kind == "denominator":  # the same on every micro-batch and stage
+            val = holder.meta["val"]
+            args.append(feeds.denominators[int(source.name)].to(device=feeds.seed.device, dtype=val.dtype))
         else:
             raise ValueError(f"unknown stage input kind {kind!r}")
     return args
@@ -237,8 +242,9 @@ class _StageRunner(nn.Module):
 
     def __init__(self, graphs: StageGraphs, params: Mapping[str, torch.Tensor],
                  buffers: Mapping[str, torch.Tensor], n_inputs: int,
-                 grads: dict[str, torch.Tensor]) -> None:
+                 grads: dict[str, torch.Tensor], denominators: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
+        self.denominators = denominators
         self.graphs = graphs
         self.params = params
         self.buffer_map = buffers
@@ -259,7 +265,8 @@ class _StageRunner(nn.Module):
         return self.pending.pop()
 
     def feeds(self, inputs: tuple, seed: torch.Tensor) -> StageFeeds:
-        feeds = StageFeeds(self.params, self.buffer_map, inputs, seed.reshape(()))
+        feeds = StageFeeds(self.params, self.buffer_map, inputs, seed.reshape(()),
+                           denominators=self.denominators)
         self.outputs.append(feeds.outputs)
         return feeds
 
@@ -297,12 +304,14 @@ def schedule_class(schedule: str, pp: int, micro_batches: int):
 
 def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
                       buffers: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor],
-                      seeds: Sequence[float], merge: Callable | None = None
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
+                      seeds: Sequence[float], merge: Callable | None = None,
+                      denominators: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
     """One training step of this rank's stages over ``len(seeds)`` micro-batches.
 
     ``inputs``: the rank's user inputs for the whole step (dim 0 split into the micro-batches);
-    ``params``: the local tensors of the rank's parameters. Returns the step's loss (the same on
+    ``params``: the local tensors of the rank's parameters; ``denominators``: the loss's
+    normalisers over the step (a "global" `LossReduction`), read by the stages that divide by
+    them. Returns the step's loss (the same on
     every rank of the pipeline), the rank's parameter gradients summed over the micro-batches
     (shared parameters summed over their ranks too), and the forward's other outputs
     (`pipeline_outputs`, the micro-batches' values joined by ``merge``) on every rank.
@@ -315,7 +324,7 @@ def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
     stages, runners = [], []
     for c in plan.stages:
         graphs = plan.graphs.stages[c]
-        runner = _StageRunner(graphs, params, buffers, len(inputs), grads)
+        runner = _StageRunner(graphs, params, buffers, len(inputs), grads, denominators)
         runners.append(runner)
         stages.append(PipelineStage(runner, c, n_stages, device,
                                     input_args=_channel_example(graphs.forward, graphs.forward_inputs, device),

@@ -103,8 +103,7 @@ LOSS_REDUCTIONS = ("exact", "mean_per_rank")
 def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> LossReduction | None:
     """How the loss splits over the layout's pieces of the batch; None where nothing splits it
     (dp = 1 and grad_accum = 1) or the user accepted per-piece means ("mean_per_rank").
-    Raises `LossReductionError` for a loss not proven linear in the batch, and
-    `UnsupportedLayoutError` where its normalisers cannot be fed (TP, pipelines)."""
+    Raises `LossReductionError` for a loss not proven linear in the batch."""
     if mode == "mean_per_rank" or (lay.dp == 1 and lay.grad_accum == 1):
         return None
     reduction = analyze_loss(gm, signature)
@@ -119,12 +118,6 @@ def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> Lo
             "computed from the inputs only; or pass autopar.parallelize(..., "
             "loss_reduction=\"mean_per_rank\") to accept DDP's per-rank averaging knowingly; or use "
             "a layout with dp=1 and grad_accum=1")
-    if reduction.mode == "global" and (lay.tp > 1 or lay.pp > 1):
-        raise UnsupportedLayoutError(
-            f"layout {lay.short()}: the loss divides by {len(reduction.denominators)} different batch "
-            "sums (or mixes a ratio with a mean); feeding their step-wide values is not executed under "
-            "tensor parallelism or pipelines yet: use tp=1 and pp=1, a loss with one normaliser "
-            "(a plain token mean), or loss_reduction=\"mean_per_rank\"")
     return for_layout(reduction, lay.tp, lay.pp)
 
 
