@@ -176,6 +176,10 @@ class LossReduction:
             return ""
         trace = self.node.meta.get("stack_trace") or ""
         lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+        if len(lines) >= 2 and lines[-2].startswith("File "):  # the innermost frame and its code
+            head = lines[-2].removeprefix("File ").split(", ")
+            if len(head) == 3:
+                return f"at {head[0].strip(chr(34))}:{head[1].removeprefix('line ')} {head[2]}: {lines[-1]}"
         if lines:
             return "\n    ".join(lines[-2:])
         module = self.node.meta.get("module")

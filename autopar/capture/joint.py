@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-
 from torch.utils import _pytree as pytree
 
 from autopar.capture.graph import GraphInput, GraphOutput, OutputTree, TrainingGraph
@@ -174,6 +174,48 @@ def capture(
         capture_note=note,
         output_tree=tree,
     )
+
+
+def capture_with_sources(model: nn.Module, example_inputs: Sequence[torch.Tensor],
+                         loss_fn: Callable | None = None) -> TrainingGraph:
+    """`capture` of the whole model (no repeated blocks) with each node's user source lines
+    in ``meta["stack_trace"]``: the frames from the model's first ``forward`` on, torch's and
+    autopar's own left out. The everyday capture records none (formatting a traceback per
+    node costs time on large models); an error that names the user's line traces again."""
+    from torch.fx.experimental import proxy_tensor
+
+    class _Recording(proxy_tensor.PythonKeyTracer):
+        # the joint export builds its tracer with stack traces off and sets the flag per
+        # instance; these properties keep them on for this capture only
+        record_stack_traces = property(lambda self: True, lambda self, value: None)
+        _record_forward_stack_traces_only = property(lambda self: False, lambda self, value: None)
+
+    saved = proxy_tensor.PythonKeyTracer
+    proxy_tensor.PythonKeyTracer = _Recording
+    try:
+        graph = capture(model, example_inputs, loss_fn=loss_fn, repeat_blocks=False)
+    finally:
+        proxy_tensor.PythonKeyTracer = saved
+    own = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+    for node in graph.gm.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace:
+            node.meta["stack_trace"] = _user_frames(trace, own)
+    return graph
+
+
+def _user_frames(trace: str, package_dirs: Sequence[str]) -> str:
+    """A formatted stack trace without the frames of files under ``package_dirs``."""
+    blocks, current = [], []
+    for line in trace.splitlines():
+        if line.lstrip().startswith("File ") and current:
+            blocks.append(current)
+            current = []
+        current.append(line)
+    if current:
+        blocks.append(current)
+    kept = [b for b in blocks if not any(d in b[0] for d in package_dirs)]
+    return "\n".join(line for b in kept for line in b)
 
 
 def _trace_whole(model: nn.Module, example_inputs, loss_fn=None, dtype=None) -> TrainingGraph:

@@ -51,12 +51,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.analysis.graph import analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
-from autopar.capture.joint import capture
+from autopar.capture.joint import capture, capture_with_sources
 from autopar.errors import AutoparError, InputError
 from autopar.execution.module import ParallelModule, _dp_rank
 from autopar.execution.placement import _to_dtensors
@@ -100,15 +100,19 @@ class LossReductionError(InputError):
 LOSS_REDUCTIONS = ("exact", "mean_per_rank")
 
 
-def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> LossReduction | None:
+def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str,
+                    sources: Callable[[], fx.GraphModule] | None = None) -> LossReduction | None:
     """How the loss splits over the layout's pieces of the batch; None where nothing splits it
     (dp = 1 and grad_accum = 1) or the user accepted per-piece means ("mean_per_rank").
-    Raises `LossReductionError` for a loss not proven linear in the batch."""
+    Raises `LossReductionError` for a loss not proven linear in the batch, naming the user's
+    source line of the op (``sources``: the step traced again with them)."""
     if mode == "mean_per_rank" or (lay.dp == 1 and lay.grad_accum == 1):
         return None
     reduction = analyze_loss(gm, signature)
     if reduction.mode == "unproven":
         op = reduction.node.target if reduction.node is not None else "the loss"
+        if reduction.node is not None and sources is not None:
+            _name_source(reduction.node, gm, sources)
         raise LossReductionError(
             f"layout {lay.short()} splits the batch over dp={lay.dp} x grad_accum={lay.grad_accum} "
             f"pieces, but the loss's reduction over the batch is not provably a linear combination "
@@ -119,6 +123,22 @@ def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> Lo
             "loss_reduction=\"mean_per_rank\") to accept DDP's per-rank averaging knowingly; or use "
             "a layout with dp=1 and grad_accum=1")
     return for_layout(reduction, lay.tp, lay.pp)
+
+
+def _name_source(node: fx.Node, gm: fx.GraphModule, sources: Callable[[], fx.GraphModule]) -> None:
+    """Copy to ``node`` the source lines of its counterpart in the graph ``sources()`` traces
+    with them: the node of the same op at the same place counted from the graph's end (the
+    loss comes after any repeated blocks, so the two traces agree there)."""
+    def same_op(g):
+        return [n for n in g.graph.nodes if n.op == "call_function" and n.target is node.target]
+
+    try:
+        place = same_op(gm)[::-1].index(node)
+        twin = same_op(sources())[::-1][place]
+    except Exception:  # (IndexError, ValueError, a capture error): the module name stays
+        return
+    if twin.meta.get("stack_trace"):
+        node.meta["stack_trace"] = twin.meta["stack_trace"]
 
 
 def parallelize(
@@ -168,7 +188,8 @@ def parallelize(
                            {o.name: o.index for o in graph.outputs if o.kind == "grad"},
                            next(o.index for o in graph.outputs if o.kind == "loss"),
                            {o.name: o.index for o in graph.outputs if o.kind == "buffer"})
-    reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction)
+    reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction,
+                                lambda: capture_with_sources(model, micro_inputs, loss_fn).gm)
     gm, shapes = graph.gm, dict(graph.param_shapes)
     decisions = chosen.decisions
     # each node's block and the heavy groups a partial choice names, read before any pass
