@@ -239,7 +239,8 @@ def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
 
 @ring_attention_op.register_fake
 def _(q, k, v, is_causal, scale, group_name, rank, size):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # contiguous, as the real op returns (empty_like would copy q's strides)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("autopar::ring_attention_backward", mutates_args=())
@@ -255,4 +256,4 @@ def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
