@@ -20,7 +20,9 @@ the plan's fallbacks, refused under ``strict``). The one op that must mix positi
 activations and is not gathered is attention: each scaled-dot-product attention (causal or
 not, no explicit mask, no dropout) and its backward are replaced by ring attention
 (`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results merged by
-the log-sum-exp rule, causal blocks above the diagonal skipped).
+the log-sum-exp rule, causal blocks above the diagonal skipped; the ops
+``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
+which the caller does: passes do not import the runtime).
 
 Cross-entropy's mean over tokens is computed as sum_r sum_{t in r} -w_t log p_t / sum_r
 sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means, which
@@ -40,7 +42,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import runtime.ring_attention  # noqa: F401  (registers the autopar::ring_attention ops)
 from cost.plan_types import GraphSignature
 from passes.tensor_parallel import (
     _COLLECTIVE_PREFIX,

@@ -90,6 +90,7 @@ from passes.pipeline_split import PipelineSplitError, split_backward, split_pipe
 from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from passes.token_count import weight_loss_by_seed
+from runtime import ring_attention  # noqa: F401  (registers the ring attention ops the CP pass emits)
 from runtime.executor import RankGraph
 from runtime.pipeline import PipelinePlan
 
