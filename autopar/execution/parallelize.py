@@ -23,11 +23,11 @@ run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
 stages (passes/pipeline_split.py; each node on the stage of the captured node it
 comes from, as the cost model priced it) and the stage's graphs run under
 torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B, zero-bubble);
-the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP / ZeRO)
+the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP and recompute)
 runs on a ("dp", "cp", "tp") mesh: after TP's place, the context-parallel pass
 (passes/context_parallel.py) splits every sequence over "cp" and runs attention as ring
 attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Any other decision
-(ZeRO-2/3 inside a pipeline, cp with TP, pipelines, FP8 or recompute, expert parallelism, a
+(ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, expert parallelism, a
 precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 

@@ -112,3 +112,14 @@ def test_refusals_name_the_problem_and_the_fix():
         _traced(_Masked(), (torch.randint(0, 16, (2, 8)),))
     with pytest.raises(ContextParallelError, match="15 positions does not split into 2"):
         _traced(autopar.models.build("tiny-llama"), autopar.models.example_inputs("tiny-llama", batch=2, seq=15))
+
+
+def test_layouts_cp_does_not_run_with_are_named():
+    from cost.layout import unsupported_decisions
+
+    assert unsupported_decisions(autopar.Layout(cp=2, dp=2)) == []
+    (words,) = unsupported_decisions(autopar.Layout(cp=2, dp=2, zero=1, tp=2))
+    assert "ZeRO-1" in words and "tp=2" in words and "cp=2" in words
+    assert unsupported_decisions(autopar.Layout(cp=2, recompute="full")) == []
+    (words,) = unsupported_decisions(autopar.Layout(cp=2, fp8="all"))
+    assert "FP8" in words

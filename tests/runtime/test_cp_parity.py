@@ -57,11 +57,18 @@ def test_cp2():
 
 @pytest.mark.slow
 def test_cp2_dp2():
-    results = spawn(_cp_worker, 4, args=([{"cp": 2, "dp": 2}, {"cp": 2, "dp": 2, "zero": 2}],), timeout_s=900)
+    results = spawn(_cp_worker, 4, args=([{"cp": 2, "dp": 2}],), timeout_s=900)
     assert all(r == [] for r in results), [r for r in results if r]
 
 
 @pytest.mark.slow
 def test_cp4():
     results = spawn(_cp_worker, 4, args=([{"cp": 4}],), timeout_s=900)
+    assert all(r == [] for r in results), [r for r in results if r]
+
+
+@pytest.mark.slow
+def test_cp2_recompute():
+    results = spawn(_cp_worker, 2, args=([{"cp": 2, "recompute": "selective"}, {"cp": 2, "recompute": "full"}],),
+                    timeout_s=900)
     assert all(r == [] for r in results), [r for r in results if r]
