@@ -35,18 +35,34 @@ registered as the custom ops ``autopar::ring_attention`` and ``autopar::ring_att
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["block_attention", "block_attention_backward", "merge", "ring_attention_forward",
+__all__ = ["block_attention", "block_attention_backward", "measure_waits", "merge", "ring_attention_forward",
            "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
 
 aten = torch.ops.aten
 
 FULL, CAUSAL, SKIP = "full", "causal", "skip"
+
+_WAITS: list[float] | None = None  # seconds this process waited for ring transfers, while measured
+
+
+@contextlib.contextmanager
+def measure_waits() -> Iterator[list[float]]:
+    """Collect the seconds each wait for a ring transfer took in this process (the exposed
+    ring time: a transfer that finished behind the block's attention waits ~0)."""
+    global _WAITS
+    previous, _WAITS = _WAITS, []
+    try:
+        yield _WAITS
+    finally:
+        _WAITS = previous
 
 
 def block_kind(rank: int, block: int, causal: bool) -> str:
@@ -146,8 +162,11 @@ class _RingLink:
         works = dist.batch_isend_irecv(ops)
 
         def wait() -> None:
+            t0 = time.perf_counter()
             for w in works:
                 w.wait()
+            if _WAITS is not None:
+                _WAITS.append(time.perf_counter() - t0)
 
         return buf, wait
 
