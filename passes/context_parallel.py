@@ -32,6 +32,7 @@ labels or class weights).
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,7 +107,8 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                            shapes: Sequence[tuple[int, ...]], cp: int) -> None:
     """Raise `ContextParallelError` where ``gm`` cannot run with its sequence over ``cp`` ranks:
     no input with a sequence dimension, a sequence not divisible into cp equal blocks, or an
-    attention the ring does not compute (an explicit mask, dropout, another device's kernel)."""
+    attention the ring does not compute (dropout, a mask computed from activations, another
+    device's kernel)."""
     seq_inputs = sequence_inputs(signature, shapes)
     if not seq_inputs:
         raise ContextParallelError(
@@ -124,19 +126,23 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                 "runs the CPU flash kernel's captures); use cp=1")
         if node.target is ATTENTION and not _ring_ready(node):
             raise ContextParallelError(
-                f"cp={cp}: attention {node} {_where(node)} has an explicit mask or dropout, which ring "
-                "attention does not split over the sequence (only is_causal=True or no mask); call "
-                "F.scaled_dot_product_attention(q, k, v, is_causal=True) without attn_mask and "
-                "dropout, or use cp=1")
+                f"cp={cp}: attention {node} {_where(node)} has dropout, which ring attention does not "
+                "draw as one device does; use attention dropout 0, or cp=1")
+        mask = node.kwargs.get("attn_mask") if node.target is ATTENTION else None
+        if isinstance(mask, fx.Node) and mask.name not in data_only(gm, signature):
+            raise ContextParallelError(
+                f"cp={cp}: attention {node} {_where(node)} has a mask computed from activations ({mask}), "
+                "which ring attention cannot slice per block (a mask of the data only, such as causal "
+                "or padding masks, is); use is_causal=True or a mask made from the inputs, or cp=1")
 
 
 def _ring_ready(node: fx.Node) -> bool:
-    """An attention forward / backward the ring computes: no mask and no dropout."""
+    """An attention forward / backward the ring computes: no dropout."""
     if node.target is ATTENTION:
         dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
     else:
         dropout = node.args[6] if len(node.args) > 6 else node.kwargs.get("dropout_p", 0.0)
-    return node.kwargs.get("attn_mask") is None and not dropout
+    return not dropout
 
 
 def _where(node: fx.Node) -> str:
@@ -156,7 +162,7 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
     ids = shapes[sequence_inputs(signature, shapes)[0]]
     interp = _Interpreter(gm, mesh, [Replicate()] * len(shapes), shapes, False, (ids[0], ids[1]),
                           grad_outputs, {i: Replicate() for i in grad_outputs}, signature.loss_index)
-    runner = _Runner(interp, set(sequence_inputs(signature, shapes)))
+    runner = _Runner(interp, data_only(gm, signature), (ids[0], ids[1]))
     dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
     try:
@@ -192,27 +198,41 @@ class _Runner:
     """The TP interpreter on the cp mesh, with the sequence inputs split, attention as ring
     attention and cross-entropy's token mean as a ratio of all-reduced sums."""
 
-    def __init__(self, interp: _Interpreter, seq_inputs: set[int]) -> None:
+    def __init__(self, interp: _Interpreter, data: set[str], tokens: tuple[int, int]) -> None:
         self.interp = interp
-        self.seq_inputs = seq_inputs
+        self.data = data  # values of the data only: computed whole, as on one device
+        self.tokens = tokens  # (batch, seq) of the step's inputs
         self.mesh = interp.mesh
         self.rings = 0
         self._tp_call = interp._call
         interp._call = self._call
+        self._split: dict[fx.Node, DTensor] = {}
 
     def run(self, *args):
         holders = [n for n in self.interp.gm.graph.nodes if n.op == "placeholder"]
-        mesh = self.mesh
-
-        def placed(i: int, node: fx.Node, arg: torch.Tensor) -> DTensor:
-            whole = _placed(arg, mesh, Replicate(), self.interp.shapes[i])
-            if i not in self.seq_inputs:
-                return whole
-            with _why(f"CP: this rank's block of the sequence of {node} (a local slice)"):
-                return whole.redistribute(mesh, [Shard(1)])
-
-        env = {node: placed(i, node, arg) for i, (node, arg) in enumerate(zip(holders, args))}
+        env = {node: _placed(arg, self.mesh, Replicate(), shape)
+               for node, arg, shape in zip(holders, args, self.interp.shapes)}
         return self._run(env)
+
+    def _split_data(self, node: fx.Node, env):
+        """Where ``node`` computes activations, its data-only operands shaped [batch, seq, ...]
+        (token ids, masks, position ids) enter as the rank's block of the sequence (a local
+        slice, once per value); the rest of the data meets the sharded activations through
+        DTensor's propagation (sliced where broadcast against them). Returns the values this
+        node reads: data-only consumers keep reading the whole values."""
+        if node.name in self.data:
+            return env
+        split = {}
+        for arg in node.all_input_nodes:
+            value = env.get(arg)
+            if arg.name not in self.data or not isinstance(value, DTensor) or value.ndim < 2 \
+                    or tuple(value.shape[:2]) != self.tokens or list(value.placements) != [Replicate()]:
+                continue
+            if arg not in self._split:
+                with _why(f"CP: this rank's block of the sequence of {arg} (a local slice)"):
+                    self._split[arg] = value.redistribute(self.mesh, [Shard(1)])
+            split[arg] = self._split[arg]
+        return ChainMap(split, env) if split else env
 
     def _run(self, env):
         for node in self.interp.gm.graph.nodes:
@@ -232,13 +252,15 @@ class _Runner:
         raise AssertionError("graph without output")
 
     def _call(self, node: fx.Node, env):
+        if node.target not in (ATTENTION, ATTENTION_BACKWARD):  # the ring takes the mask whole
+            env = self._split_data(node, env)
         if node.target is ATTENTION:
             return self._ring_forward(node, env)
         if node.target is ATTENTION_BACKWARD and _ring_ready(node):
             return self._ring_backward(node, env)
-        if node.target is aten.nll_loss_forward.default and _token_sharded(env[node.args[0]]):
+        if node.target is aten.nll_loss_forward.default and isinstance(env[node.args[0]], DTensor):
             return self._nll_forward(node, env)
-        if node.target is aten.nll_loss_backward.default and _token_sharded(env[node.args[1]]):
+        if node.target is aten.nll_loss_backward.default and isinstance(env[node.args[1]], DTensor):
             return self._nll_backward(node, env)
         return self._tp_call(node, env)
 
@@ -251,6 +273,20 @@ class _Runner:
                 x = x.redistribute(self.mesh, [Shard(dim)])
         return x.to_local()
 
+    def _whole_mask(self, node: fx.Node, env) -> torch.Tensor | None:
+        """The attention's mask (a value of the data only) whole, [.., S, S]: the ring slices
+        each block's part."""
+        mask = node.kwargs.get("attn_mask")
+        if mask is None:
+            return None
+        value = env[mask]
+        if isinstance(value, DTensor):
+            if list(value.placements) != [Replicate()]:
+                with _why(f"CP: gather the attention mask {mask} whole for ring attention {node}"):
+                    value = value.redistribute(self.mesh, [Replicate()])
+            value = value.to_local()
+        return value
+
     def _ring_args(self, node: fx.Node, env):
         n = self.mesh.size()
         return (self.mesh.get_group().group_name, self.mesh.get_local_rank(), n)
@@ -261,9 +297,11 @@ class _Runner:
         causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
         scale = node.kwargs.get("scale")
         n = self.mesh.size()
+        mask = self._whole_mask(node, env)
         with _why(f"CP: ring attention {node} (K/V blocks passed round the {n} CP ranks, merged by "
                   "log-sum-exp)"):
-            out, lse = torch.ops.autopar.ring_attention(q, k, v, bool(causal), scale, *self._ring_args(node, env))
+            out, lse = torch.ops.autopar.ring_attention(q, k, v, bool(causal), scale, *self._ring_args(node, env),
+                                                        mask)
         self.rings += 1
         shape = tuple(env[node.args[0]].shape)
         val = node.meta["val"]
@@ -275,9 +313,10 @@ class _Runner:
         lse = self._sequence(env[node.args[5]], node.args[5], 2, node)
         causal = node.args[7] if len(node.args) > 7 else node.kwargs.get("is_causal", False)
         scale = node.kwargs.get("scale")
+        mask = self._whole_mask(node, env)
         with _why(f"CP: ring attention's backward {node} (K/V and their gradients round the CP ranks)"):
             dq, dk, dv = torch.ops.autopar.ring_attention_backward(dout, q, k, v, out, lse, bool(causal), scale,
-                                                                   *self._ring_args(node, env))
+                                                                   *self._ring_args(node, env), mask)
         return tuple(_place_like(g, self.mesh, val) for g, val in zip((dq, dk, dv), node.meta["val"]))
 
     def _nll_backward(self, node: fx.Node, env):
@@ -294,8 +333,10 @@ class _Runner:
         tokens, all-reduced; the mean their ratio (DTensor would average the ranks' means)."""
         args = list(fx.node.map_arg(node.args, lambda a: env[a]))
         x, target, weight, reduction, ignore = (args + [None] * 5)[:5]
-        if reduction not in (_NLL_MEAN, _NLL_SUM):
-            return self._tp_call(node, env)
+        if not _token_sharded(x) or reduction not in (_NLL_MEAN, _NLL_SUM):  # whole: as one device
+            x = x.redistribute(self.mesh, [Replicate()])
+            out = node.target(x.to_local(), _local(target, x), _local(weight), *args[3:])
+            return tuple(_placed(o, self.mesh, Replicate(), o.shape) for o in out)
         x_l = x.to_local()
         target = target.redistribute(self.mesh, list(x.placements)) if isinstance(target, DTensor) else target
         t_l = target.to_local() if isinstance(target, DTensor) else target
@@ -325,8 +366,9 @@ def _local(x, like: DTensor | None = None):
     block placed as ``like`` is."""
     if not isinstance(x, DTensor):
         return x
-    if like is not None and list(x.placements) != list(like.placements):
-        x = x.redistribute(like.device_mesh, list(like.placements))
+    want = list(like.placements) if like is not None else [Replicate()]
+    if list(x.placements) != want:
+        x = x.redistribute(x.device_mesh, want)
     return x.to_local()
 
 

@@ -61,11 +61,11 @@ def test_tiny_llama_runs_ring_attention_and_reduces_gradients(cp):
     assert all(r.startswith("CP: ring attention") for r in reasons), reasons
 
 
-def test_own_model_gathers_only_its_labels():
+def test_own_model_gathers_nothing():
+    """Its labels are shifted inside the model: a value of the data only, computed whole."""
     out, gm, sig, _ = _traced(RopeLM(), rope_batch())
     assert out.gathered == [] and out.ring_attention == 2
-    notes = [n.meta.get("autopar", "") for n in out.gm.graph.nodes if "all_gather" in str(n.target)]
-    assert notes and all("data only" in note for note in notes)  # the shifted labels, whole
+    assert not any("all_gather" in op for op in _ops(out.gm))
 
 
 def test_data_only_nodes():
@@ -97,19 +97,32 @@ def test_other_position_mixing_is_gathered_and_named():
 
 
 class _Masked(nn.Module):
-    def __init__(self) -> None:
+    """Attention under a mask: of the data only (causal and padding, from the ids), or from
+    the activations themselves."""
+
+    def __init__(self, from_activations: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(16, 8)
+        self.from_activations = from_activations
 
     def forward(self, tokens):
         x = self.embed(tokens)[:, None]
-        mask = torch.ones(x.shape[2], x.shape[2], dtype=torch.bool).tril()
+        s = x.shape[2]
+        if self.from_activations:
+            mask = (x @ x.transpose(-1, -2)) > 0
+        else:
+            mask = torch.ones(s, s, dtype=torch.bool).tril() & (tokens != 0)[:, None, None, :]
         return F.scaled_dot_product_attention(x, x, x, attn_mask=mask).pow(2).mean()
 
 
+def test_a_mask_of_the_data_runs_on_the_ring():
+    out, *_ = _traced(_Masked(), (torch.randint(1, 16, (2, 8)),))
+    assert out.ring_attention == 1 and out.gathered == []
+
+
 def test_refusals_name_the_problem_and_the_fix():
-    with pytest.raises(ContextParallelError, match="explicit mask.*is_causal=True.*cp=1"):
-        _traced(_Masked(), (torch.randint(0, 16, (2, 8)),))
+    with pytest.raises(ContextParallelError, match="mask computed from activations.*cp=1"):
+        _traced(_Masked(from_activations=True), (torch.randint(0, 16, (2, 8)),))
     with pytest.raises(ContextParallelError, match="15 positions does not split into 2"):
         _traced(autopar.models.build("tiny-llama"), autopar.models.example_inputs("tiny-llama", batch=2, seq=15))
 

@@ -102,3 +102,29 @@ def test_ring_on_two_gloo_ranks():
 def test_ring_on_four_gloo_ranks():
     results = spawn(_ring_worker, 4, timeout_s=300)
     assert all(r == [] for r in results), results
+
+
+def _padding_mask(seq: int, dtype):
+    """Causal and a padded prefix of the second sequence, [2, 1, S, S]: bool or additive."""
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    allowed[1, :, :, : seq // 3] = False
+    allowed[1, :, : seq // 3, 0] = True  # every query keeps a key (as HF's padding masks do)
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_simulated_ring_with_an_explicit_mask(n, dtype):
+    q, k, v, dout = _inputs(7 + n)
+    mask = _padding_mask(q.shape[2], dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    want.backward(dout)
+    qs, ks, vs, ds = (t.chunk(n, dim=2) for t in (q, k, v, dout))
+    fwd = ra.simulate_ring_forward(qs, ks, vs, False, mask=mask)
+    assert _close(torch.cat([o for o, _ in fwd], dim=2), want.detach())
+    bwd = ra.simulate_ring_backward(ds, qs, ks, vs, [o for o, _ in fwd], [lse for _, lse in fwd], False, mask=mask)
+    for i, leaf in enumerate(leaves):
+        assert _close(torch.cat([b[i] for b in bwd], dim=2), leaf.grad)
