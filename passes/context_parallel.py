@@ -9,18 +9,21 @@ reduction over dp, which sums over the batch the same way); a loss that is a mea
 of sums over tokens is the ratio of the sums all-reduced over cp.
 
 The pass runs the dp-local global joint graph once on DTensors over the 1-D "cp" mesh, as the
-tensor-parallel pass does over "tp": parameters and data replicated, each input of shape
-[batch, seq, ...] then sharded on the sequence (``Shard(1)``: a local slice, no
-communication). DTensor's sharding propagation computes every op exactly on those placements:
-values made from the data only (position ids, RoPE tables, masks built from arange) stay
-replicated and are sliced where they meet the rank's positions; partial sums are all-reduced
+tensor-parallel pass does over "tp": parameters and data replicated. Values of the data only
+(computed from the inputs and constants alone: shifted labels, position ids, RoPE tables,
+attention masks) are computed whole, as on one device; where one shaped [batch, seq, ...] meets
+parameters or activations (token ids into the embedding) it enters as the rank's block of the
+sequence (``Shard(1)``: a local slice, no communication). DTensor's sharding propagation
+computes every op exactly on those placements: other data-only values are sliced where they
+meet the rank's positions; partial sums are all-reduced
 before an op not linear in them; an op that mixes positions (a slice shifting the sequence, a
 cumsum, a convolution along it) gathers the sequence first (correct, not parallel: listed as
 the plan's fallbacks, refused under ``strict``). The one op that must mix positions of
-activations and is not gathered is attention: each scaled-dot-product attention (causal or
-not, no explicit mask, no dropout) and its backward are replaced by ring attention
-(`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results merged by
-the log-sum-exp rule, causal blocks above the diagonal skipped; the ops
+activations and is not gathered is attention: each scaled-dot-product attention (causal,
+unmasked or under a mask of the data only; no dropout) and its backward are replaced by ring
+attention (`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results
+merged by the log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per
+block; the ops
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
 
@@ -119,6 +122,7 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
         raise ContextParallelError(
             f"cp={cp}: the sequence of {seq} positions does not split into {cp} equal blocks; use a "
             f"sequence length that is a multiple of {cp}, or another cp")
+    data = data_only(gm, signature)
     for node in gm.graph.nodes:
         if node.target in _OTHER_ATTENTION:
             raise ContextParallelError(
@@ -129,7 +133,7 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                 f"cp={cp}: attention {node} {_where(node)} has dropout, which ring attention does not "
                 "draw as one device does; use attention dropout 0, or cp=1")
         mask = node.kwargs.get("attn_mask") if node.target is ATTENTION else None
-        if isinstance(mask, fx.Node) and mask.name not in data_only(gm, signature):
+        if isinstance(mask, fx.Node) and mask.name not in data:
             raise ContextParallelError(
                 f"cp={cp}: attention {node} {_where(node)} has a mask computed from activations ({mask}), "
                 "which ring attention cannot slice per block (a mask of the data only, such as causal "
