@@ -54,6 +54,7 @@ from passes.tensor_parallel import (
     _Interpreter,
     _placed,
     _register_cpu_attention,
+    _tree_wrap,
     _why,
 )
 
@@ -249,7 +250,6 @@ class _Runner:
                     except Exception as exc:
                         raise TensorParallelError(_failure(node, env, exc, False)) from exc
             elif node.op == "get_attr":
-                from passes.tensor_parallel import _tree_wrap
                 env[node] = _tree_wrap(getattr(self.interp.gm, node.target), self.mesh)
             elif node.op == "output":
                 return self.interp._outputs(node, env)
