@@ -4,7 +4,9 @@ with PyTorch's own APIs (DistributedDataParallel, ZeroRedundancyOptimizer, fully
 torchtitan's Megatron plan with `parallelize_module` for TP+SP and DP x TP).
 
 Layouts: DP, ZeRO-1, ZeRO-2, ZeRO-3, TP+SP, DP x TP, pipelines (1F1B over every rank, and
-PP x DP; by hand: `torch.distributed.pipelining` with an even split of the blocks) and the
+PP x DP; by hand: `torch.distributed.pipelining` with an even split of the blocks), context
+parallelism over every rank (no hand-written twin: PyTorch's context_parallel runs CUDA SDPA
+kernels only; its exposed ring time is measured against the predicted) and the
 solver's own plan, on a small Llama-style GPT (grouped-query attention, SwiGLU). Everything is measured in one run, side by
 side, on the same ranks; the steps of every layout, autopar's and the hand-written one, take turns
 round-robin, so that all see the same machine state. Both use
@@ -58,6 +60,7 @@ def _layouts(world: int, n_layers: int) -> dict[str, dict | None]:
         layouts[f"PP{world} 1F1B"] = {"pp": world, "grad_accum": 2 * world}
     if world >= 4:
         layouts["PP x DP"] = {"pp": 2, "dp": world // 2, "grad_accum": 4}
+        layouts[f"CP{world}"] = {"cp": world}  # the sequence over every rank, ring attention
     layouts["solver"] = None
     return layouts
 
@@ -89,6 +92,8 @@ def _hand_written(layout, model, batch, world: int):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
+    if layout.cp > 1:
+        return None  # PyTorch's context_parallel runs only CUDA SDPA kernels
     if layout.tp > 1:
         return _hand_written_tp(layout, model, batch)
     if layout.pp > 1:
@@ -285,13 +290,19 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
 
         built.append((label, pm.plan, step, _hand_written(pm.plan.layout, ref, batch, world)))
     # every layout's steps and the hand-written ones round-robin: all see the same machine state
-    times = _time_pair([fn for _, _, step, hand in built for fn in (step, hand)], warmup, repeat)
+    fns = [fn for _, _, step, hand in built for fn in (step, hand) if fn is not None]
+    timed = iter(_time_pair(fns, warmup, repeat))
     rows = []
-    for (label, plan, step, _), samples, hand in zip(built, times[0::2], times[1::2]):
-        measured, hand_s = statistics.median(samples), statistics.median(hand)
+    for label, plan, step, hand_fn in built:
+        samples = next(timed)
+        measured = statistics.median(samples)
+        hand_s = statistics.median(next(timed)) if hand_fn is not None else None
         row = {"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
-               "measured_s": measured, "hand_written_s": hand_s, "autopar_over_hand": measured / hand_s,
-               "samples_s": samples}
+               "measured_s": measured, "hand_written_s": hand_s,
+               "autopar_over_hand": measured / hand_s if hand_s else None, "samples_s": samples}
+        if plan.layout.cp > 1:
+            row["ring_exposed_measured_s"] = _ring_exposed(step, repeat)
+            row["ring_exposed_predicted_s"] = plan.predicted.time_breakdown["cp_comm_exposed_s"]
         if plan.layout.pp > 1:
             tb = plan.predicted.time_breakdown
             row["idle_measured_s"] = _pipeline_idle(step, repeat)
@@ -300,6 +311,24 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
             row["idle_predicted_s"] = tb["pp_bubble_s"] + tb["pp_p2p_s"] + tb["dp_comm_exposed_s"]
         rows.append(row)
     return rows
+
+
+def _ring_exposed(step, repeat: int) -> float:
+    """Seconds per step the slowest rank waited for ring attention's transfers (K/V blocks,
+    their gradients), the median over ``repeat`` steps (`runtime.ring_attention.measure_waits`)."""
+    import torch.distributed as dist
+
+    from runtime.ring_attention import measure_waits
+
+    per_step = []
+    for _ in range(repeat):
+        dist.barrier()
+        with measure_waits() as waits:
+            step()
+        slowest = torch.tensor([sum(waits)])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        per_step.append(float(slowest))
+    return statistics.median(per_step)
 
 
 def _pipeline_idle(step, repeat: int) -> float:
@@ -441,7 +470,8 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
 def format_runtime_bench(result: dict) -> str:
     """The table: measured, predicted and hand-written step times per layout."""
     rows = [[r["layout"], r["degrees"], fmt_time(r["measured_s"]), fmt_time(r["predicted_s"]),
-             fmt_time(r["hand_written_s"]), f"{r['autopar_over_hand']:.2f}"] for r in result["rows"]]
+             fmt_time(r["hand_written_s"]) if r.get("hand_written_s") else "-",
+             f"{r['autopar_over_hand']:.2f}" if r.get("autopar_over_hand") else "-"] for r in result["rows"]]
     head = ["layout", "degrees", "measured", "predicted (Cluster.local)", "hand-written", "autopar / hand"]
     return (f"runtime bench on {result['world']} gloo ranks, batch {result['batch']} x seq {result['seq']}\n"
             + table(head, rows, "llrrrr")
@@ -450,7 +480,17 @@ def format_runtime_bench(result: dict) -> str:
             f"({result.get('spearman_without_pipelines', float('nan')):.2f} without the pipelines)"
             + _overhead_line(result)
             + _idle_lines(result)
+            + _ring_lines(result)
             + _sample_line(result))
+
+
+def _ring_lines(result: dict) -> str:
+    """Context parallelism's exposed ring time (waits for K/V and their gradients), measured
+    on the slowest rank against the cost model's exposed CP communication."""
+    return "".join(
+        f"\n{r['layout']}: exposed ring time {fmt_time(r['ring_exposed_measured_s'])} per step (slowest rank's "
+        f"waits for K/V blocks and their gradients), predicted {fmt_time(r['ring_exposed_predicted_s'])}"
+        for r in result["rows"] if "ring_exposed_measured_s" in r)
 
 
 def _idle_lines(result: dict) -> str:

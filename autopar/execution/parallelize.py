@@ -23,8 +23,12 @@ run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
 stages (passes/pipeline_split.py; each node on the stage of the captured node it
 comes from, as the cost model priced it) and the stage's graphs run under
 torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B, zero-bubble);
-the module then holds only its stages' parameters. Any other decision (ZeRO-2/3 inside a pipeline,
-context or expert parallelism, a precision other than the model's) is an
+the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP and recompute)
+runs on a ("dp", "cp", "tp") mesh: after TP's place, the context-parallel pass
+(passes/context_parallel.py) splits every sequence over "cp" and runs attention as ring
+attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Any other decision
+(ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, expert parallelism, a
+precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
 The loss trains as on one device wherever the layout splits the batch (data parallelism,
@@ -77,6 +81,7 @@ from cost.plan_types import (
 )
 from cost.stages import node_stages
 from cost.step import check_layout
+from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
@@ -85,6 +90,7 @@ from passes.pipeline_split import PipelineSplitError, split_backward, split_pipe
 from passes.recompute import apply_recompute, heavy_groups, is_backward, values_to_recompute
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from passes.token_count import weight_loss_by_seed
+from runtime import ring_attention  # noqa: F401  (registers the ring attention ops the CP pass emits)
 from runtime.executor import RankGraph
 from runtime.pipeline import PipelinePlan
 
@@ -220,6 +226,8 @@ def parallelize(
     if decisions.fp8:  # before TP: the TP pass shards the casts and reduces sharded amaxes
         apply_fp8(gm, signature, decisions.fp8, FP8_RECIPES[lay.fp8_recipe])
     gm, signature = _tensor_parallel(gm, signature, shapes, decisions, mesh, strict)
+    if lay.cp > 1:  # the sequence over "cp", attention as ring attention
+        gm, signature = _context_parallel(gm, signature, decisions, mesh, strict)
     if decisions.fp8 and lay.dp > 1:  # scales over all DP ranks' tokens, as on one device
         reduce_scales(gm, AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh)))
     if recomputing:
@@ -255,6 +263,8 @@ def parallelize(
     # (under a pipeline only those of this rank's stage)
     module = copy.deepcopy(model)
     held = pipeline.params if pipeline else None
+    if lay.cp > 1:  # parameters are replicated over cp: each cp rank's copy on its (dp, tp) mesh
+        mesh = mesh["dp", "tp"]
     unloaded = _to_dtensors(module, mesh, decisions, graph.aliases, held)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in signature.placeholder_of("param") if held is None or p in held]
@@ -339,6 +349,28 @@ def _tensor_parallel(gm, signature: GraphSignature, shapes: dict, decisions: Pla
             + ", ".join(f.op for f in fallbacks) + "; use a layout without TP (tp=1), or strict=False "
             "to accept the replication (listed in pm.plan.fallbacks)")
     return gm, signature
+
+
+def _context_parallel(gm, signature: GraphSignature, decisions: PlanDecisions, mesh: DeviceMesh,
+                      strict: bool):
+    """The CP pass (`passes.context_parallel`) on this rank's graph: (graph, signature). The
+    sequence gathers it had to insert (ops mixing positions other than attention) join the
+    plan's fallbacks; ``strict`` refuses them."""
+    lay = decisions.layout
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        traced = apply_context_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders], mesh["cp"])
+    except ContextParallelError as exc:
+        raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
+    gathered = [Fallback(op, why) for op, why in traced.gathered]
+    if strict and gathered:
+        raise UnsupportedLayoutError(
+            f"strict=True: layout {lay.short()} gathers the whole sequence over cp for: "
+            + "; ".join(f.reason for f in gathered) + ". Use cp=1, or strict=False to accept the gathers "
+            "(listed in pm.plan.fallbacks)")
+    decisions.fallbacks = list(decisions.fallbacks) + gathered
+    return traced.gm, _signature(traced.gm, signature.inputs, signature.grad_index, signature.loss_index,
+                                 signature.buffer_index)
 
 
 def _data_parallel(gm, signature: GraphSignature, shapes: dict, decisions: PlanDecisions,
@@ -462,10 +494,11 @@ def _signature(gm, inputs, grad_index, loss_index, buffer_index) -> GraphSignatu
 
 
 def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> DeviceMesh:
-    """A ("dp", "tp") mesh for the layout, ("dp", "pp", "tp") under a pipeline (the playbook's
-    rank order: TP innermost, in a node): the user's, if it already has that shape."""
-    names = ("dp", "pp", "tp") if layout.pp > 1 else ("dp", "tp")
-    shape = (layout.dp, layout.pp, layout.tp) if layout.pp > 1 else (layout.dp, layout.tp)
+    """A ("dp", "tp") mesh for the layout, ("dp", "pp", "tp") under a pipeline, ("dp", "cp",
+    "tp") under context parallelism (the playbook's rank order: TP innermost, in a node): the
+    user's, if it already has that shape."""
+    names = ("dp", "pp", "tp") if layout.pp > 1 else ("dp", "cp", "tp") if layout.cp > 1 else ("dp", "tp")
+    shape = tuple(getattr(layout, n) for n in names)
     if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == names and tuple(mesh.shape) == shape:
         return mesh
     if isinstance(mesh, DeviceMesh) and mesh.ndim > 1:

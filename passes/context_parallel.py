@@ -1,0 +1,382 @@
+"""Context parallelism as a rewrite of the per-rank joint graph: the sequence split over cp ranks.
+
+Context parallelism is data parallelism over the sequence. CP rank r of n holds the r-th
+contiguous block of every sequence (positions [r S/n, (r+1) S/n)); parameters are replicated
+over cp. Every op that treats positions independently (embeddings, norms, matmuls, MLPs, the
+per-token loss) runs on the rank's positions alone; a weight's gradient is a sum over
+positions, so each rank's is a partial sum, all-reduced over cp (before the data-parallel
+reduction over dp, which sums over the batch the same way); a loss that is a mean or a ratio
+of sums over tokens is the ratio of the sums all-reduced over cp.
+
+The pass runs the dp-local global joint graph once on DTensors over the 1-D "cp" mesh, as the
+tensor-parallel pass does over "tp": parameters and data replicated. Values of the data only
+(computed from the inputs and constants alone: shifted labels, position ids, RoPE tables,
+attention masks) are computed whole, as on one device; where one shaped [batch, seq, ...] meets
+parameters or activations (token ids into the embedding) it enters as the rank's block of the
+sequence (``Shard(1)``: a local slice, no communication). DTensor's sharding propagation
+computes every op exactly on those placements: other data-only values are sliced where they
+meet the rank's positions; partial sums are all-reduced
+before an op not linear in them; an op that mixes positions (a slice shifting the sequence, a
+cumsum, a convolution along it) gathers the sequence first (correct, not parallel: listed as
+the plan's fallbacks, refused under ``strict``). The one op that must mix positions of
+activations and is not gathered is attention: each scaled-dot-product attention (causal,
+unmasked or under a mask of the data only; no dropout) and its backward are replaced by ring
+attention (`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results
+merged by the log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per
+block; the ops
+``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
+which the caller does: passes do not import the runtime).
+
+Cross-entropy's mean over tokens is computed as sum_r sum_{t in r} -w_t log p_t / sum_r
+sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means, which
+is exact only when every rank has the same number of counted tokens (not so with ignored
+labels or class weights).
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from cost.plan_types import GraphSignature
+from passes.tensor_parallel import (
+    _COLLECTIVE_PREFIX,
+    TensorParallelError,
+    _failure,
+    _Interpreter,
+    _placed,
+    _register_cpu_attention,
+    _tree_wrap,
+    _why,
+)
+
+aten = torch.ops.aten
+
+ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# attention ops of other devices' captures: refused by name (their ring is not wired yet)
+_OTHER_ATTENTION = {aten._scaled_dot_product_flash_attention.default,
+                    aten._scaled_dot_product_efficient_attention.default,
+                    aten._scaled_dot_product_cudnn_attention.default}
+_NLL_MEAN = 1
+_NLL_SUM = 2
+_GATHERS = ("all_gather", "all_to_all")
+
+
+class ContextParallelError(ValueError):
+    """The graph cannot run with its sequence split over context-parallel ranks (names the op,
+    where the model runs it, and the fix)."""
+
+
+@dataclass
+class ContextParallelGraph:
+    """The traced per-rank graph and the ops whose inputs were gathered over the sequence."""
+
+    gm: fx.GraphModule
+    gathered: list[tuple[str, str]]  # (op, why): sequence gathers DTensor inserted
+    ring_attention: int  # attention forwards run as ring attention
+
+
+def sequence_inputs(signature: GraphSignature, shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    """Placeholders split over the sequence: inputs shaped [batch, seq, ...] like the first
+    input (token ids, labels, masks, position ids)."""
+    kinds = [(i, s) for i, ((kind, _), s) in enumerate(zip(signature.inputs, shapes)) if kind == "input"]
+    if not kinds or len(kinds[0][1]) < 2:
+        return []
+    batch, seq = kinds[0][1][:2]
+    return [i for i, s in kinds if len(s) >= 2 and tuple(s[:2]) == (batch, seq)]
+
+
+def data_only(gm: fx.GraphModule, signature: GraphSignature) -> set[str]:
+    """Nodes computed from the step's inputs and constants only (shifted labels, masks,
+    position ids): no parameter, no activation. Gathering one over the sequence costs no
+    parallelism (every rank computes it whole, as one device does)."""
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = {n.name for n, (kind, _) in zip(holders, signature.inputs) if kind == "input"}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "get_attr") and all(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
+                           shapes: Sequence[tuple[int, ...]], cp: int) -> None:
+    """Raise `ContextParallelError` where ``gm`` cannot run with its sequence over ``cp`` ranks:
+    no input with a sequence dimension, a sequence not divisible into cp equal blocks, or an
+    attention the ring does not compute (dropout, a mask computed from activations, another
+    device's kernel)."""
+    seq_inputs = sequence_inputs(signature, shapes)
+    if not seq_inputs:
+        raise ContextParallelError(
+            f"cp={cp}: no input of the step has a sequence dimension ([batch, seq, ...]) to split; "
+            "use cp=1 for this model")
+    seq = shapes[seq_inputs[0]][1]
+    if seq % cp:
+        raise ContextParallelError(
+            f"cp={cp}: the sequence of {seq} positions does not split into {cp} equal blocks; use a "
+            f"sequence length that is a multiple of {cp}, or another cp")
+    data = data_only(gm, signature)
+    for node in gm.graph.nodes:
+        if node.target in _OTHER_ATTENTION:
+            raise ContextParallelError(
+                f"cp={cp}: attention op {node.target} ({node}) has no ring implementation yet (the ring "
+                "runs the CPU flash kernel's captures); use cp=1")
+        if node.target is ATTENTION and not _ring_ready(node):
+            raise ContextParallelError(
+                f"cp={cp}: attention {node} {_where(node)} has dropout, which ring attention does not "
+                "draw as one device does; use attention dropout 0, or cp=1")
+        mask = node.kwargs.get("attn_mask") if node.target is ATTENTION else None
+        if isinstance(mask, fx.Node) and mask.name not in data:
+            raise ContextParallelError(
+                f"cp={cp}: attention {node} {_where(node)} has a mask computed from activations ({mask}), "
+                "which ring attention cannot slice per block (a mask of the data only, such as causal "
+                "or padding masks, is); use is_causal=True or a mask made from the inputs, or cp=1")
+
+
+def _ring_ready(node: fx.Node) -> bool:
+    """An attention forward / backward the ring computes: no dropout."""
+    if node.target is ATTENTION:
+        dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+    else:
+        dropout = node.args[6] if len(node.args) > 6 else node.kwargs.get("dropout_p", 0.0)
+    return not dropout
+
+
+def _where(node: fx.Node) -> str:
+    module = node.meta.get("module") or next(reversed(node.meta.get("nn_module_stack") or {"": ""}), "")
+    return f"in the forward of {module}" if module else "in the model"
+
+
+def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
+                           shapes: Sequence[tuple[int, ...]], mesh: DeviceMesh) -> ContextParallelGraph:
+    """Trace ``gm`` (the dp-local step, whole sequences) into the graph one rank of the 1-D cp
+    ``mesh`` runs. Placeholders and outputs keep their order and shapes (inputs whole: each
+    rank slices its positions in the graph); gradients and the loss leave whole (all-reduced
+    over cp)."""
+    check_context_parallel(gm, signature, shapes, mesh.size())
+    _register_cpu_attention()
+    grad_outputs = {i: n for n, i in signature.grad_index.items()}
+    ids = shapes[sequence_inputs(signature, shapes)[0]]
+    interp = _Interpreter(gm, mesh, [Replicate()] * len(shapes), shapes, False, (ids[0], ids[1]),
+                          grad_outputs, {i: Replicate() for i in grad_outputs}, signature.loss_index)
+    runner = _Runner(interp, data_only(gm, signature), (ids[0], ids[1]))
+    dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    try:
+        with fx_traceback.preserve_node_meta(), torch.no_grad():
+            traced = make_fx(runner.run, tracing_mode="fake")(*examples)
+    except TensorParallelError as exc:
+        raise ContextParallelError(_cp_words(str(exc))) from exc
+    gathered = []
+    data = data_only(gm, signature)
+    for node in traced.graph.nodes:
+        reason = node.meta.get("custom", {}).get("autopar")
+        if reason and (str(node.target).startswith(_COLLECTIVE_PREFIX) or "ring_attention" in str(node.target)):
+            node.meta["autopar"] = _cp_words(reason)
+            if not any(g in str(node.target) for g in _GATHERS):
+                continue
+            source = (node.meta.get("from_node") or [None])[0]
+            if getattr(source, "name", None) in data:  # labels shifted, masks: whole, as one device
+                node.meta["autopar"] += " (a value of the data only: computed whole on every CP rank)"
+            else:
+                gathered.append((str(node.target), node.meta["autopar"]))
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return ContextParallelGraph(traced, gathered, runner.rings)
+
+
+def _cp_words(text: str) -> str:
+    """The TP interpreter's words for its redistributions, said of the cp axis."""
+    return text.replace("TP: ", "CP: ").replace("TP ranks", "CP ranks").replace("use tp=1", "use cp=1") \
+        .replace("TP placements", "CP placements")
+
+
+class _Runner:
+    """The TP interpreter on the cp mesh, with the sequence inputs split, attention as ring
+    attention and cross-entropy's token mean as a ratio of all-reduced sums."""
+
+    def __init__(self, interp: _Interpreter, data: set[str], tokens: tuple[int, int]) -> None:
+        self.interp = interp
+        self.data = data  # values of the data only: computed whole, as on one device
+        self.tokens = tokens  # (batch, seq) of the step's inputs
+        self.mesh = interp.mesh
+        self.rings = 0
+        self._tp_call = interp._call
+        interp._call = self._call
+        self._split: dict[fx.Node, DTensor] = {}
+
+    def run(self, *args):
+        holders = [n for n in self.interp.gm.graph.nodes if n.op == "placeholder"]
+        env = {node: _placed(arg, self.mesh, Replicate(), shape)
+               for node, arg, shape in zip(holders, args, self.interp.shapes)}
+        return self._run(env)
+
+    def _split_data(self, node: fx.Node, env):
+        """Where ``node`` computes activations, its data-only operands shaped [batch, seq, ...]
+        (token ids, masks, position ids) enter as the rank's block of the sequence (a local
+        slice, once per value); the rest of the data meets the sharded activations through
+        DTensor's propagation (sliced where broadcast against them). Returns the values this
+        node reads: data-only consumers keep reading the whole values."""
+        if node.name in self.data:
+            return env
+        split = {}
+        for arg in node.all_input_nodes:
+            value = env.get(arg)
+            if arg.name not in self.data or not isinstance(value, DTensor) or value.ndim < 2 \
+                    or tuple(value.shape[:2]) != self.tokens or list(value.placements) != [Replicate()]:
+                continue
+            if arg not in self._split:
+                with _why(f"CP: this rank's block of the sequence of {arg} (a local slice)"):
+                    self._split[arg] = value.redistribute(self.mesh, [Shard(1)])
+            split[arg] = self._split[arg]
+        return ChainMap(split, env) if split else env
+
+    def _run(self, env):
+        for node in self.interp.gm.graph.nodes:
+            if node.op == "call_function":
+                with fx_traceback.set_current_meta(node):
+                    try:
+                        env[node] = self._call(node, env)
+                    except TensorParallelError:
+                        raise
+                    except Exception as exc:
+                        raise TensorParallelError(_failure(node, env, exc, False)) from exc
+            elif node.op == "get_attr":
+                env[node] = _tree_wrap(getattr(self.interp.gm, node.target), self.mesh)
+            elif node.op == "output":
+                return self.interp._outputs(node, env)
+        raise AssertionError("graph without output")
+
+    def _call(self, node: fx.Node, env):
+        if node.target not in (ATTENTION, ATTENTION_BACKWARD):  # the ring takes the mask whole
+            env = self._split_data(node, env)
+        if node.target is ATTENTION:
+            return self._ring_forward(node, env)
+        if node.target is ATTENTION_BACKWARD and _ring_ready(node):
+            return self._ring_backward(node, env)
+        if node.target is aten.nll_loss_forward.default and isinstance(env[node.args[0]], DTensor):
+            return self._nll_forward(node, env)
+        if node.target is aten.nll_loss_backward.default and isinstance(env[node.args[1]], DTensor):
+            return self._nll_backward(node, env)
+        return self._tp_call(node, env)
+
+    def _sequence(self, x, arg: fx.Node, dim: int, op: fx.Node) -> torch.Tensor:
+        """``x`` split on ``dim`` (the sequence), as this rank's local block."""
+        if not isinstance(x, DTensor):
+            x = _placed(x, self.mesh, Replicate(), x.shape)
+        if list(x.placements) != [Shard(dim)]:
+            with _why(f"CP: {arg} to the rank's block of the sequence for ring attention {op}"):
+                x = x.redistribute(self.mesh, [Shard(dim)])
+        return x.to_local()
+
+    def _whole_mask(self, node: fx.Node, env) -> torch.Tensor | None:
+        """The attention's mask (a value of the data only) whole, [.., S, S]: the ring slices
+        each block's part."""
+        mask = node.kwargs.get("attn_mask")
+        if mask is None:
+            return None
+        value = env[mask]
+        if isinstance(value, DTensor):
+            if list(value.placements) != [Replicate()]:
+                with _why(f"CP: gather the attention mask {mask} whole for ring attention {node}"):
+                    value = value.redistribute(self.mesh, [Replicate()])
+            value = value.to_local()
+        return value
+
+    def _ring_args(self, node: fx.Node, env):
+        n = self.mesh.size()
+        return (self.mesh.get_group().group_name, self.mesh.get_local_rank(), n)
+
+    def _ring_forward(self, node: fx.Node, env):
+        """(O, lse) of the whole sequence's attention, this rank's block of the queries."""
+        q, k, v = (self._sequence(env[a], a, 2, node) for a in node.args[:3])
+        causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+        scale = node.kwargs.get("scale")
+        n = self.mesh.size()
+        mask = self._whole_mask(node, env)
+        with _why(f"CP: ring attention {node} (K/V blocks passed round the {n} CP ranks, merged by "
+                  "log-sum-exp)"):
+            out, lse = torch.ops.autopar.ring_attention(q, k, v, bool(causal), scale, *self._ring_args(node, env),
+                                                        mask)
+        self.rings += 1
+        shape = tuple(env[node.args[0]].shape)
+        val = node.meta["val"]
+        return (_place_like(out, self.mesh, val[0]), _placed(lse, self.mesh, Shard(2), shape[:-1]))
+
+    def _ring_backward(self, node: fx.Node, env):
+        """(dQ, dK, dV) of the ring: K/V and their gradients' accumulators round the ring again."""
+        dout, q, k, v, out = (self._sequence(env[a], a, 2, node) for a in node.args[:5])
+        lse = self._sequence(env[node.args[5]], node.args[5], 2, node)
+        causal = node.args[7] if len(node.args) > 7 else node.kwargs.get("is_causal", False)
+        scale = node.kwargs.get("scale")
+        mask = self._whole_mask(node, env)
+        with _why(f"CP: ring attention's backward {node} (K/V and their gradients round the CP ranks)"):
+            dq, dk, dv = torch.ops.autopar.ring_attention_backward(dout, q, k, v, out, lse, bool(causal), scale,
+                                                                   *self._ring_args(node, env), mask)
+        return tuple(_place_like(g, self.mesh, val) for g, val in zip((dq, dk, dv), node.meta["val"]))
+
+    def _nll_backward(self, node: fx.Node, env):
+        """nll_loss's backward on the rank's tokens, with the step's total weight: each row's
+        gradient -w_t g / W depends on its own token and the all-reduced W only."""
+        args = list(fx.node.map_arg(node.args, lambda a: env[a]))
+        grad, x, target, weight, reduction, ignore, total = args
+        out = node.target(_local(grad), x.to_local(), _local(target, x), _local(weight), reduction, ignore,
+                          _local(total))
+        return DTensor(out, x._spec, requires_grad=False)
+
+    def _nll_forward(self, node: fx.Node, env):
+        """nll_loss over token-sharded log-probabilities: (sum, total weight) of the rank's
+        tokens, all-reduced; the mean their ratio (DTensor would average the ranks' means)."""
+        args = list(fx.node.map_arg(node.args, lambda a: env[a]))
+        x, target, weight, reduction, ignore = (args + [None] * 5)[:5]
+        if not _token_sharded(x) or reduction not in (_NLL_MEAN, _NLL_SUM):  # whole: as one device
+            x = x.redistribute(self.mesh, [Replicate()])
+            out = node.target(x.to_local(), _local(target, x), _local(weight), *args[3:])
+            return tuple(_placed(o, self.mesh, Replicate(), o.shape) for o in out)
+        x_l = x.to_local()
+        target = target.redistribute(self.mesh, list(x.placements)) if isinstance(target, DTensor) else target
+        t_l = target.to_local() if isinstance(target, DTensor) else target
+        w_l = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        loss, total = aten.nll_loss_forward(x_l, t_l, w_l, _NLL_SUM, ignore)
+        loss, total = (_placed(t, self.mesh, Partial(), ()) for t in (loss, total))
+        with _why(f"CP: all-reduce the sum and the weight of the loss's tokens over the CP ranks ({node})"):
+            loss, total = loss.redistribute(self.mesh, [Replicate()]), total.redistribute(self.mesh, [Replicate()])
+        if reduction == _NLL_MEAN:
+            loss = loss / total
+        return loss, total
+
+
+def _place_like(local: torch.Tensor, mesh: DeviceMesh, like: torch.Tensor) -> DTensor:
+    """``local`` (this rank's sequence block, dim 2 of [b, h, s, d]) as a DTensor with the
+    shape and memory layout of the captured value ``like`` (CPU flash attention writes O as
+    [b, s, h, d]), so the graph's later views of it stay views, locally and globally."""
+    order = sorted(range(like.ndim), key=lambda d: -like.stride(d))
+    if order != list(range(like.ndim)):
+        inverse = [order.index(d) for d in range(like.ndim)]
+        local = local.permute(order).contiguous().permute(inverse)
+    return DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=like.shape, stride=like.stride())
+
+
+def _local(x, like: DTensor | None = None):
+    """``x``'s local tensor: a replicated DTensor's whole value, else (``like`` given) its
+    block placed as ``like`` is."""
+    if not isinstance(x, DTensor):
+        return x
+    want = list(like.placements) if like is not None else [Replicate()]
+    if list(x.placements) != want:
+        x = x.redistribute(x.device_mesh, want)
+    return x.to_local()
+
+
+def _token_sharded(x) -> bool:
+    """Log-probabilities [tokens, classes] (or [classes]) split over their tokens."""
+    return isinstance(x, DTensor) and x.ndim == 2 and any(
+        getattr(p, "dim", None) == 0 for p in x.placements if not p.is_replicate())

@@ -1,0 +1,316 @@
+"""Ring attention: scaled-dot-product attention over a sequence split across context-parallel ranks.
+
+Rank r of n holds the r-th contiguous block of the sequence: queries Q_r, keys K_r, values
+V_r, each [b, h, s/n, d]. Attention of Q_r over the whole sequence is a merge of per-block
+attentions. For one block j, with S_rj = scale * Q_r K_j^T (masked above the diagonal when
+causal),
+
+    lse_rj = logsumexp_k S_rj[:, k]              O_rj = softmax(S_rj) V_j
+
+and the blocks merge by the log-sum-exp rule (exact, in any order):
+
+    lse_r = log sum_j exp(lse_rj)                O_r = sum_j exp(lse_rj - lse_r) O_rj
+
+Forward: the K/V blocks travel round the ring (rank r sends to r+1, receives from r-1), so at
+step t rank r holds block j = (r - t) mod n; the transfer of the next block is started before
+the local block's attention and waited for after it (communication overlapped with compute).
+Causal: block j < r is attended fully, j = r with the causal mask (equal block sizes: the
+diagonal is aligned), j > r is skipped (every key after every query). An explicit mask M
+(boolean, or additive float; a value of the data only: every rank holds it whole, [.., S, S])
+is sliced per block, M[.., rows of r, columns of j]; a block it masks entirely is skipped, and
+a query row it masks entirely within one block contributes nothing (O = 0, lse = -inf).
+
+Backward, with the merged O_r and lse_r and the output gradient dO_r: per block,
+P_rj = exp(S_rj - lse_r), D_r = rowsum(dO_r * O_r), dS_rj = P_rj * (dO_r V_j^T - D_r) and
+
+    dQ_r += scale * dS_rj K_j      dK_j += scale * dS_rj^T Q_r      dV_j += P_rj^T dO_r
+
+(the flash kernels' backward computes exactly these from O and lse). The K/V blocks travel
+round the ring again, each with its dK/dV accumulator; after n steps the accumulator comes
+home to the block's owner with every rank's contribution.
+
+The per-block attention is PyTorch's CPU flash kernel on CPU tensors and the same formulas in
+plain matmuls elsewhere; communication is torch.distributed point-to-point (``isend`` /
+``irecv``), which gloo and NCCL both run. `ring_attention_forward` / `_backward` are
+registered as the custom ops ``autopar::ring_attention`` and ``autopar::ring_attention_backward``
+(fake implementations for tracing), which the context-parallel pass puts in the rank's graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["block_attention", "block_attention_backward", "measure_waits", "merge", "ring_attention_forward",
+           "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
+
+aten = torch.ops.aten
+
+FULL, CAUSAL, SKIP = "full", "causal", "skip"
+
+_WAITS: list[float] | None = None  # seconds this process waited for ring transfers, while measured
+
+
+@contextlib.contextmanager
+def measure_waits() -> Iterator[list[float]]:
+    """Collect the seconds each wait for a ring transfer took in this process (the exposed
+    ring time: a transfer that finished behind the block's attention waits ~0)."""
+    global _WAITS
+    previous, _WAITS = _WAITS, []
+    try:
+        yield _WAITS
+    finally:
+        _WAITS = previous
+
+
+def block_kind(rank: int, block: int, causal: bool) -> str:
+    """How queries of contiguous block ``rank`` attend keys of block ``block``."""
+    if not causal or block < rank:
+        return FULL
+    return CAUSAL if block == rank else SKIP
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def block_attention(q, k, v, causal: bool, scale: float | None,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, lse) of ``q`` over one block ``k``, ``v`` (``mask``: that block's): O [b, h, sq, d]
+    in q's dtype, lse [b, h, sq] in fp32; a row masked entirely has O = 0, lse = -inf."""
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                    attn_mask=_additive(mask, q.dtype),
+                                                                    scale=scale)[:2]
+    else:
+        s = _scores(q, k, causal, _scale(q, scale), mask)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.exp(s - lse[..., None]), v.float()).to(q.dtype)
+    if mask is not None:  # rows with no key in this block: nothing to merge (the kernel says lse 0)
+        allowed = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+        dead = (~allowed.any(-1)).expand(lse.shape)
+        lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype), lse)
+        out = torch.where(dead[..., None], torch.zeros((), dtype=out.dtype), out)
+    return out, lse
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the additive one the CPU kernel takes (0 kept, -inf masked)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+
+
+def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None,
+                             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of one block's share, given the *merged* O and lse of q's rows."""
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+        return dq, dk, dv
+    sc = _scale(q, scale)
+    p = torch.exp(_scores(q, k, causal, sc, mask) - lse[..., None])
+    do, vf = dout.float(), v.float()
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    d = (do * out.float()).sum(-1, keepdim=True)
+    ds = p * (dp - d) * sc
+    dq = torch.matmul(ds, k.float())
+    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-sum-exp merge of a running (O, lse) (None: nothing yet) with one block's, in fp32."""
+    if out is None:
+        return block_out.float(), block_lse
+    new = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new)[..., None] + block_out.float() * torch.exp(block_lse - new)[..., None]
+    return out, new
+
+
+def block_mask(mask: torch.Tensor | None, rank: int, block: int, size: int) -> torch.Tensor | None:
+    """The whole mask's [.., rows of block ``rank``, columns of block ``block``]; None where no
+    mask is given; ``SKIP`` where it masks every entry of the block."""
+    if mask is None:
+        return None
+    c = mask.shape[-1] // size
+    part = mask[..., rank * c:(rank + 1) * c, block * c:(block + 1) * c]
+    allowed = part if part.dtype == torch.bool else ~torch.isneginf(part)
+    return part.contiguous() if bool(allowed.any()) else SKIP
+
+
+def _forward_step(state, q, kv, rank: int, block: int, causal: bool, scale, mask, size: int):
+    kind = block_kind(rank, block, causal)
+    part = block_mask(mask, rank, block, size)
+    if kind == SKIP or isinstance(part, str):
+        return state
+    k, v = kv.chunk(2, dim=0)
+    return merge(*state, *block_attention(q, k, v, kind == CAUSAL, scale, part))
+
+
+def _backward_step(dq, dkv, dout, q, kv, out, lse, rank: int, block: int, causal: bool, scale, mask, size: int):
+    kind = block_kind(rank, block, causal)
+    part = block_mask(mask, rank, block, size)
+    if kind == SKIP or isinstance(part, str):
+        return dq, dkv
+    k, v = kv.chunk(2, dim=0)
+    bq, bk, bv = block_attention_backward(dout, q, k, v, out, lse, kind == CAUSAL, scale, part)
+    return dq + bq.float(), dkv + torch.cat([bk, bv]).float()
+
+
+def _check(q, k, v) -> None:
+    if q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(f"ring attention needs q, k, v of one shape [b, h, s, d] (repeat grouped "
+                         f"K/V heads first); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+
+
+class _RingLink:
+    """Sends to the next rank of the ring and receives from the previous one, asynchronously."""
+
+    def __init__(self, group, rank: int, size: int) -> None:
+        self.group, self.next, self.prev = group, (rank + 1) % size, (rank - 1) % size
+
+    def start(self, tensor: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start passing ``tensor`` on; (the buffer the previous rank's tensor arrives in, wait).
+        ``tag`` tells apart two transfers in flight at once (K/V and their gradients)."""
+        buf = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(), group=self.group, tag=tag, group_peer=self.next),
+               dist.P2POp(dist.irecv, buf, group=self.group, tag=tag, group_peer=self.prev)]
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> None:
+            t0 = time.perf_counter()
+            for w in works:
+                w.wait()
+            if _WAITS is not None:
+                _WAITS.append(time.perf_counter() - t0)
+
+        return buf, wait
+
+
+def ring_attention_forward(q, k, v, causal: bool, scale: float | None, group, rank: int,
+                           size: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (O, lse) of attention over the sequence split in ``size`` contiguous blocks
+    over ``group`` (this rank holds block ``rank``); ``mask``: the whole [.., S, S] mask."""
+    _check(q, k, v)
+    link = _RingLink(group, rank, size)
+    kv = torch.cat([k, v])
+    state = (None, None)
+    for t in range(size):
+        wait = None
+        if t < size - 1:  # the next block travels while this one is attended
+            incoming, wait = link.start(kv)
+        state = _forward_step(state, q, kv, rank, (rank - t) % size, causal, scale, mask, size)
+        if wait is not None:
+            wait()
+            kv = incoming
+    out, lse = state
+    return out.to(q.dtype), lse
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None, group,
+                            rank: int, size: int,
+                            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (dQ, dK, dV); ``out`` and ``lse`` are the merged forward's."""
+    _check(q, k, v)
+    link = _RingLink(group, rank, size)
+    kv = torch.cat([k, v])
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    for t in range(size):
+        wait = None
+        if t < size - 1:
+            incoming, wait = link.start(kv)
+        dq, dkv = _backward_step(dq, dkv, dout, q, kv, out, lse, rank, (rank - t) % size, causal, scale,
+                                 mask, size)
+        # the accumulator follows its block: after the last step it reaches the block's owner
+        dkv, wait_grad = link.start(dkv, tag=1)
+        wait_grad()
+        if wait is not None:
+            wait()
+            kv = incoming
+    dk, dv = dkv.chunk(2, dim=0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, mask=None):
+    """`ring_attention_forward` of every rank, run in one process in lock step (the ring's
+    transfers are list rotations): [(O_r, lse_r)] for the blocks ``qs[r], ks[r], vs[r]``."""
+    n = len(qs)
+    kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
+    states = [(None, None)] * n
+    for t in range(n):
+        states = [_forward_step(states[r], qs[r], kvs[r], r, (r - t) % n, causal, scale, mask, n)
+                  for r in range(n)]
+        kvs = [kvs[(r - 1) % n] for r in range(n)]
+    return [(o.to(q.dtype), lse) for (o, lse), q in zip(states, qs)]
+
+
+def simulate_ring_backward(douts, qs, ks, vs, outs, lses, causal: bool, scale: float | None = None,
+                           mask=None):
+    """`ring_attention_backward` of every rank in one process: [(dQ_r, dK_r, dV_r)]."""
+    n = len(qs)
+    kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
+    dqs = [torch.zeros(q.shape) for q in qs]
+    dkvs = [torch.zeros(kv.shape) for kv in kvs]
+    for t in range(n):
+        for r in range(n):
+            dqs[r], dkvs[r] = _backward_step(dqs[r], dkvs[r], douts[r], qs[r], kvs[r], outs[r], lses[r],
+                                             r, (r - t) % n, causal, scale, mask, n)
+        kvs = [kvs[(r - 1) % n] for r in range(n)]
+        dkvs = [dkvs[(r - 1) % n] for r in range(n)]
+    return [(dq.to(q.dtype), *(g.to(q.dtype) for g in dkv.chunk(2, dim=0))) for dq, dkv, q in zip(dqs, dkvs, qs)]
+
+
+# --- the ops the context-parallel pass puts in a rank's graph --------------------------------
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("autopar::ring_attention", mutates_args=())
+def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+                      group_name: str, rank: int, size: int,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ring_attention_forward` over the process group named ``group_name``."""
+    out, lse = ring_attention_forward(q, k, v, is_causal, scale, _group(group_name), rank, size, mask)
+    return out.contiguous(), lse.contiguous()
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None):
+    # contiguous, as the real op returns (empty_like would copy q's strides)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("autopar::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
+                               group_name: str, rank: int, size: int,
+                               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ring_attention_backward` over the process group named ``group_name``."""
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal, scale, _group(group_name),
+                                         rank, size, mask)
+    return dq.contiguous(), dk.clone(), dv.clone()  # dk, dv: views of one buffer
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size, mask=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
