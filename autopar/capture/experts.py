@@ -65,6 +65,7 @@ class ExpertList:
     experts: list[nn.Module]
     names: list[str]
     outputs: list[Tensor] = field(default_factory=list)  # each call's result (kept alive)
+    result: dict[tuple, tuple] = field(default_factory=dict)  # input (shape, stride, dtype) -> result's
 
 
 _LISTS: dict[int, ExpertList] = {}  # key -> list, while a capture traces with stubs
@@ -78,6 +79,17 @@ def _expert_call(x: Tensor, params: list[Tensor], key: int, index: int) -> Tenso
 
 @_expert_call.register_fake
 def _expert_call_fake(x: Tensor, params: list[Tensor], key: int, index: int) -> Tensor:
+    group = _LISTS[key]
+    shape_key = (tuple(x.shape), x.stride(), x.dtype)
+    known = group.result.get(shape_key)
+    if known is not None:  # alike experts: one expert's result has every expert's shape
+        return x.new_empty_strided(*known[:2], dtype=known[2])
+    out = _run_expert(x, params, key, index)
+    group.result[shape_key] = (tuple(out.shape), out.stride(), out.dtype)
+    return out
+
+
+def _run_expert(x: Tensor, params: list[Tensor], key: int, index: int) -> Tensor:
     expert = _LISTS[key].experts[index]
     stub = expert.__dict__.pop("forward", None)  # run the expert's own forward
     try:
@@ -132,6 +144,40 @@ def find_expert_lists(model: nn.Module) -> list[ExpertList]:
         if all(_alike(first, m, -1, -1) for m in experts[1:]):
             found.append(ExpertList(path, experts, [n for n, _ in params]))
     return found
+
+
+@contextlib.contextmanager
+def screening(lists: list[ExpertList]) -> Iterator[None]:
+    """Watch a plain forward (the capture's preflight) and drop from ``lists``, in place, each
+    list whose modules are not all called once on one tensor, or that runs them in sequence
+    (a module's input is the result of another: a stack of blocks)."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    owner = {id(m): (g, i) for g in lists for i, m in enumerate(g.experts)}
+    calls: dict[str, list[int]] = {g.path: [] for g in lists}
+    seen: dict[str, list[object]] = {g.path: [] for g in lists}
+    bad: set[str] = set()
+
+    def enter(module, args):
+        found = owner.get(id(module))
+        if found is not None:
+            group, index = found
+            calls[group.path].append(index)
+            if len(args) != 1 or not isinstance(args[0], Tensor) or any(args[0] is o for o in seen[group.path]):
+                bad.add(group.path)
+
+    def leave(module, args, output):
+        found = owner.get(id(module))
+        if found is not None:
+            seen[found[0].path].append(output)
+
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    lists[:] = [g for g in lists if g.path not in bad and sorted(calls[g.path]) == list(range(len(g.experts)))]
 
 
 class _Sequential(NotGroupable):
@@ -333,30 +379,63 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
             if s.kind != "param":
                 raise NotGroupable(f"{group.path}: the grouped expert has an input {s.name}", group.path)
             parts = [c.args[0] for c in fwd] if s.name == "x" else [c.args[1][int(s.name[1:])] for c in fwd]
-            env[n] = _add(graph, _aten.stack.default, (parts,), fwd_meta)
+            env[n] = _stacked(graph, parts, fwd_meta)
         for n in tnodes:
             if n.op == "call_function" and n not in backward:
                 copy(n, "is_forward")
-        out = env[t_out[next(o.index for o in tout if o.kind == "loss")]]
-        for e, c in enumerate(fwd):
-            c.replace_all_uses_with(_add(graph, _aten.select.int, (out, 0, e), fwd_meta))
+        _unstack(graph, fwd, env[t_out[next(o.index for o in tout if o.kind == "loss")]], fwd_meta)
     bwd_meta = {**base, "partitioner_tag": "is_backward"}
     with graph.inserting_after(max(bwd, key=order.get)):
         tangent = next(n for n, s in holders.items() if s.kind == "tangent")
-        env[tangent] = _add(graph, _aten.stack.default, ([b.args[2] for b in bwd],), bwd_meta)
+        env[tangent] = _stacked(graph, [b.args[2] for b in bwd], bwd_meta)
         for n in tnodes:
             if n in backward and n.op == "call_function":
                 copy(n, "is_backward")
         grads = {o.name: env[t_out[o.index]] for o in tout if o.kind == "grad"}
-        parts = [grads["x"]] + [grads[f"p{k}"] for k in range(len(group.names))]
+        whole = [grads["x"]] + [grads[f"p{k}"] for k in range(len(group.names))]
+        slots: list[list[fx.Node | None]] = [[None] * E for _ in whole]
         for e, b in enumerate(bwd):
-            for user in list(b.users):
+            for user in b.users:
                 if not (_is(user, operator.getitem) and isinstance(user.args[1], int)):
                     raise NotGroupable(f"{group.path}: an expert's gradients are read as a list", group.path)
-                user.replace_all_uses_with(_add(graph, _aten.select.int, (parts[user.args[1]], 0, e), bwd_meta))
-                graph.erase_node(user)
-    for n in bwd + fwd:
+                slots[user.args[1]][e] = user
+        for k, parts in enumerate(slots):
+            if any(p is not None for p in parts):
+                _unstack(graph, parts, whole[k], bwd_meta)
+    fed = {c.args[0] for c in fwd} | {b.args[2] for b in bwd}
+    for n in [m for parts in slots for m in parts if m is not None] + bwd + fwd:
         graph.erase_node(n)
+    for n in fed:  # an unbind's parts the calls alone read
+        if n.op == "call_function" and not n.users and _is(n, operator.getitem):
+            source = n.args[0]
+            graph.erase_node(n)
+            if not source.users:
+                graph.erase_node(source)
+
+
+def _stacked(graph: fx.Graph, parts: list[fx.Node], meta: dict) -> fx.Node:
+    """stack(parts) along a new dim 0; the tensor itself where the parts are ``A.unbind(0)``."""
+    source = parts[0].args[0] if _is(parts[0], operator.getitem) else None
+    if source is not None and _is(source, _aten.unbind.int) and source.args[1:] in ((), (0,)) and \
+            all(_is(p, operator.getitem) and p.args == (source, e) for e, p in enumerate(parts)) and \
+            len(source.meta["val"]) == len(parts):
+        return source.args[0]
+    return _add(graph, _aten.stack.default, (parts,), meta)
+
+
+def _unstack(graph: fx.Graph, parts: list[fx.Node | None], whole: fx.Node, meta: dict) -> None:
+    """Each part's uses read ``whole[e]``; a ``stack(parts)`` of all, in order, reads ``whole``."""
+    users = {u for p in parts if p is not None for u in p.users}
+    if len(users) == 1 and all(p is not None and len(p.users) == 1 for p in parts):
+        (user,) = users
+        if _is(user, _aten.stack.default) and list(user.args[0]) == parts and user.args[1:] in ((), (0,)) \
+                and not user.kwargs:
+            user.replace_all_uses_with(whole)
+            graph.erase_node(user)
+            return
+    for e, p in enumerate(parts):
+        if p is not None and p.users:
+            p.replace_all_uses_with(_add(graph, _aten.select.int, (whole, 0, e), meta))
 
 
 def _stable_toposort(graph: fx.Graph) -> None:

@@ -111,7 +111,8 @@ def capture(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with _tracing_flags(), _fake_parameters(root, fake_mode, dtype) as groups:
         fake_inputs = tuple(_to_fake(x, fake_mode, dtype) for x in example_inputs)
-        out = _preflight(root, fake_inputs, fake_mode, module_names)
+        with experts.screening(expert_lists):
+            out = _preflight(root, fake_inputs, fake_mode, module_names)
         if _loss_field(out, model) is not None:
             root = _PickLoss(root)  # a transformers ModelOutput: train on its .loss
         t_preflight = time.perf_counter() - t0

@@ -72,17 +72,22 @@ class BlockStack:
 
 
 def find_stack(model: nn.Module) -> BlockStack | None:
-    """The model's longest list of at least `MIN_BLOCKS` alike blocks, or None."""
+    """The model's longest list of at least `MIN_BLOCKS` alike blocks, or None. A list inside
+    the blocks of another (a MoE layer's experts inside a stack of layers) is not a candidate:
+    the outer one repeats it."""
     best: BlockStack | None = None
-    for path, module in model.named_modules():
+    found: list[str] = []
+    for path, module in model.named_modules():  # outer modules first
         if type(module) not in (nn.ModuleList, nn.Sequential) or len(module) < MIN_BLOCKS:
             continue
-        if best is not None and len(module) <= best.count:
+        if any(path.startswith(outer + ".") for outer in found):
             continue
         blocks = list(module)
         if all(_alike(blocks[1], blocks[i], 1, i) for i in range(2, len(blocks) - 1)) and \
                 _same_tensors(blocks[0], blocks[1]) and _same_tensors(blocks[-1], blocks[1]):
-            best = BlockStack(path, len(blocks))
+            found.append(path)
+            if best is None or len(blocks) > best.count:
+                best = BlockStack(path, len(blocks))
     return best
 
 
