@@ -405,21 +405,29 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
     fed = {c.args[0] for c in fwd} | {b.args[2] for b in bwd}
     for n in [m for parts in slots for m in parts if m is not None] + bwd + fwd:
         graph.erase_node(n)
-    for n in fed:  # an unbind's parts the calls alone read
-        if n.op == "call_function" and not n.users and _is(n, operator.getitem):
+    for n in fed:  # the slices the calls alone read
+        if n.op == "call_function" and not n.users and (_is(n, operator.getitem) or _is(n, _aten.select.int)):
             source = n.args[0]
             graph.erase_node(n)
-            if not source.users:
+            if not source.users and _is(source, _aten.unbind.int):
                 graph.erase_node(source)
 
 
 def _stacked(graph: fx.Graph, parts: list[fx.Node], meta: dict) -> fx.Node:
-    """stack(parts) along a new dim 0; the tensor itself where the parts are ``A.unbind(0)``."""
-    source = parts[0].args[0] if _is(parts[0], operator.getitem) else None
-    if source is not None and _is(source, _aten.unbind.int) and source.args[1:] in ((), (0,)) and \
-            all(_is(p, operator.getitem) and p.args == (source, e) for e, p in enumerate(parts)) and \
-            len(source.meta["val"]) == len(parts):
-        return source.args[0]
+    """stack(parts) along a new dim 0; the tensor ``A`` itself where the parts are its slices
+    ``A.unbind(0)`` or ``A.select(0, e)`` in order (what a loop over ``A``'s rows traces to)."""
+    first = parts[0]
+    if _is(first, operator.getitem):
+        source = first.args[0]
+        if _is(source, _aten.unbind.int) and source.args[1:] in ((), (0,)) and \
+                len(source.meta["val"]) == len(parts) and \
+                all(_is(p, operator.getitem) and p.args == (source, e) for e, p in enumerate(parts)):
+            return source.args[0]
+    elif _is(first, _aten.select.int) and isinstance(first.args[0], fx.Node):
+        source = first.args[0]
+        if source.meta["val"].shape[0] == len(parts) and \
+                all(_is(p, _aten.select.int) and p.args == (source, 0, e) for e, p in enumerate(parts)):
+            return source
     return _add(graph, _aten.stack.default, (parts,), meta)
 
 

@@ -226,6 +226,8 @@ def capture_repeated(model: nn.Module, example_inputs, trace: Callable[..., Trai
     if read:  # the blocks' code computes with its index: each block may run other ops
         return None, (f"traced all {stack.count} blocks of {stack.path} (their forward computes with "
                       f"their index {', '.join(sorted(read))}, so no block stands for another)")
+    if any(n.meta.get("expert_group", ("",))[0] == stack.path for n in small.gm.graph.nodes):
+        return None, ""  # a group of experts run side by side, not a stack: grouped as a whole
     try:
         graph = expand(small, stack)
     except NotRepeatable as exc:
