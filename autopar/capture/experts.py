@@ -295,12 +295,12 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _add(graph: fx.Graph, op, args: tuple, meta: dict) -> fx.Node:
+def _add(graph: fx.Graph, op, args: tuple, meta: dict, kwargs: dict | None = None) -> fx.Node:
     """A call node with ``meta`` and its value computed on the arguments' fake values."""
-    node = graph.call_function(op, args)
+    node = graph.call_function(op, args, kwargs or {})
     node.meta.update(meta)
     vals = fx.node.map_arg(args, lambda a: a.meta["val"])
-    node.meta["val"] = op(*vals)
+    node.meta["val"] = op(*vals, **(kwargs or {}))
     return node
 
 
@@ -401,7 +401,11 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
                 slots[user.args[1]][e] = user
         for k, parts in enumerate(slots):
             if any(p is not None for p in parts):
-                _unstack(graph, parts, whole[k], bwd_meta)
+                value = whole[k]
+                if k and not value.meta["val"].is_contiguous():  # a parameter's gradient, dense as its own
+                    value = _add(graph, _aten.clone.default, (value,), bwd_meta,
+                                 {"memory_format": torch.contiguous_format})
+                _unstack(graph, parts, value, bwd_meta)
     fed = {c.args[0] for c in fwd} | {b.args[2] for b in bwd}
     for n in [m for parts in slots for m in parts if m is not None] + bwd + fwd:
         graph.erase_node(n)
@@ -415,8 +419,12 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
 
 def _stacked(graph: fx.Graph, parts: list[fx.Node], meta: dict) -> fx.Node:
     """stack(parts) along a new dim 0; the tensor ``A`` itself where the parts are its slices
-    ``A.unbind(0)`` or ``A.select(0, e)`` in order (what a loop over ``A``'s rows traces to)."""
+    ``A.unbind(0)`` or ``A.select(0, e)`` in order (what a loop over ``A``'s rows traces to), a
+    broadcast view where they are one tensor."""
     first = parts[0]
+    if all(p is first for p in parts):  # every expert reads the same tensor: a broadcast view
+        shape = [len(parts), *first.meta["val"].shape]
+        return _add(graph, _aten.expand.default, (_add(graph, _aten.unsqueeze.default, (first, 0), meta), shape), meta)
     if _is(first, operator.getitem):
         source = first.args[0]
         if _is(source, _aten.unbind.int) and source.args[1:] in ((), (0,)) and \
