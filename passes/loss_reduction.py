@@ -664,8 +664,8 @@ def _model_op(node: fx.Node, kinds: dict, batch: int, loose: bool = False) -> Ki
         # experts' tokens) or on the shared dim 0 of both; on k, or paired with dim 0, it mixes
         lhs, rhs_ = (kinds[a] if isinstance(a, fx.Node) and kinds[a] != _U else None for a in node.args[-2:])
         dims = (getattr(lhs, "dim", None), getattr(rhs_, "dim", None))
-        if isinstance(lhs, list) or isinstance(rhs_, list) or not (
-                dims in ((0, 0), (0, None), (None, 0), (1, None), (None, 2))):
+        if isinstance(lhs, list) or isinstance(rhs_, list) or \
+                dims not in ((0, 0), (0, None), (None, 0), (1, None), (None, 2)):
             return _x(node, f"{node.target} multiplies across the samples of the batch")
         rows = dims[0] if dims[0] is not None else dims[1]
         if rows:  # the samples on the output's rows (1) or columns (2), not on dim 0

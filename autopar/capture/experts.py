@@ -151,7 +151,10 @@ def screening(lists: list[ExpertList]) -> Iterator[None]:
     """Watch a plain forward (the capture's preflight) and drop from ``lists``, in place, each
     list whose modules are not all called once on one tensor, or that runs them in sequence
     (a module's input is the result of another: a stack of blocks)."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
 
     owner = {id(m): (g, i) for g in lists for i, m in enumerate(g.experts)}
     calls: dict[str, list[int]] = {g.path: [] for g in lists}
@@ -234,16 +237,11 @@ def _is(node: fx.Node, op) -> bool:
     return node.op == "call_function" and node.target == op
 
 
-def stubbed_calls(gm: fx.GraphModule) -> bool:
-    """The graph still holds an expert placeholder op."""
-    return any(_is(n, _aten_call()) or _is(n, _aten_backward()) for n in gm.graph.nodes)
-
-
-def _aten_call():
+def _call_op():
     return torch.ops.autopar.expert_call.default
 
 
-def _aten_backward():
+def _backward_op():
     return torch.ops.autopar.expert_call_backward.default
 
 
@@ -307,11 +305,20 @@ def _add(graph: fx.Graph, op, args: tuple, meta: dict, kwargs: dict | None = Non
 def group_experts(gm: fx.GraphModule, lists: list[ExpertList], fake_mode) -> list[tuple[str, int]]:
     """Replace each list's E expert calls (forward and backward) in ``gm`` with the grouped
     computation; returns the (path, E) of each list grouped. `NotGroupable` where the calls do
-    not form one group (see the module docstring)."""
+    not form one group (see the module docstring), or where rewriting them fails."""
+    try:
+        return _group_experts(gm, lists, fake_mode)
+    except NotGroupable:
+        raise
+    except Exception as exc:  # a layout the checks missed: tracing the experts one by one is right
+        raise NotGroupable(f"grouping the experts failed: {exc!r}") from exc
+
+
+def _group_experts(gm: fx.GraphModule, lists: list[ExpertList], fake_mode) -> list[tuple[str, int]]:
     calls: dict[int, dict[int, fx.Node]] = {}
     backs: dict[int, dict[int, fx.Node]] = {}
     for n in gm.graph.nodes:
-        for op, table in ((_aten_call(), calls), (_aten_backward(), backs)):
+        for op, table in ((_call_op(), calls), (_backward_op(), backs)):
             if _is(n, op):
                 key, index = n.args[-2], n.args[-1]
                 if index in table.setdefault(key, {}):
