@@ -362,7 +362,8 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
     tgm, tin, tout = template
     E = len(fwd)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    base = {"module": group.path, "seq_nr": fwd[0].meta.get("seq_nr"), META: (group.path, E)}
+    # labelled as every expert's module ("experts.*"): what reads the labels sees expert work
+    base = {"module": f"{group.path}.*", "seq_nr": fwd[0].meta.get("seq_nr"), META: (group.path, E)}
     base = {k: v for k, v in base.items() if v is not None}
     tnodes = list(tgm.graph.nodes)
     spec = {i.node: i for i in tin}
