@@ -665,9 +665,19 @@ def _model_op(node: fx.Node, kinds: dict, batch: int, loose: bool = False) -> Ki
     rhs = {aten.mm.default: 1, aten.addmm.default: 2, aten.matmul.default: 1}.get(node.target)
     if rhs is not None and isinstance(node.args[rhs], fx.Node) and kinds[node.args[rhs]] != _U:
         return _x(node, f"{node.target} multiplies two per-sample values: it mixes the samples")
-    if node.target in (aten.bmm.default, aten.baddbmm.default) and any(
-            isinstance(i, fx.Node) and kinds[i] != _U and kinds[i].dim != 0 for i in node.args[-2:]):
-        return _x(node, f"{node.target} multiplies across the samples of the batch")
+    if node.target in (aten.bmm.default, aten.baddbmm.default):
+        # [b, m, k] @ [b, k, n] keeps the samples apart on the left's rows (dim 1: the grouped
+        # experts' tokens) or on the shared dim 0 of both; on k, or paired with dim 0, it mixes
+        lhs, rhs_ = (kinds[a] if isinstance(a, fx.Node) and kinds[a] != _U else None for a in node.args[-2:])
+        dims = (getattr(lhs, "dim", None), getattr(rhs_, "dim", None))
+        if isinstance(lhs, list) or isinstance(rhs_, list) or \
+                dims not in ((0, 0), (0, None), (None, 0), (1, None), (None, 2)):
+            return _x(node, f"{node.target} multiplies across the samples of the batch")
+        rows = dims[0] if dims[0] is not None else dims[1]
+        if rows:  # the samples on the output's rows (1) or columns (2), not on dim 0
+            if any(k.kind == "B" and k.dens for k in ins if not isinstance(k, list)):
+                return _x(node, f"{node.target} of per-sample values divided by a batch sum")
+            return Kind("B", rows, loose=(lhs if dims[0] is not None else rhs_).loose)
     if any(isinstance(k, list) or k.kind != "B" and k.kind != "U" for k in ins):
         return _x(node, f"{node.target} of a value reduced over the batch")
     if any(k.kind == "B" and k.dens for k in ins):

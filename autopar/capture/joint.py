@@ -22,6 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from autopar.capture import experts
 from autopar.capture.graph import GraphInput, GraphOutput, OutputTree, TrainingGraph
 from autopar.capture.repeat import capture_repeated
 from autopar.errors import CaptureError, InputError, locate_user_frame
@@ -87,6 +88,7 @@ def capture(
     via_export: bool = False,
     dtype: torch.dtype | None = None,
     repeat_blocks: bool = True,
+    group_experts: bool = True,
 ) -> TrainingGraph:
     """Capture ``loss = model(*example_inputs); loss.backward()`` as a joint aten graph.
 
@@ -100,6 +102,8 @@ def capture(
     ``repeat_blocks`` traces a deep stack of alike blocks with four of them and writes the
     others from the middle one (`autopar.capture.repeat`: the same graph, several times
     faster); the whole model is traced where the blocks do not repeat exactly.
+    ``group_experts`` traces a loop over a list of alike experts as one grouped computation
+    (`autopar.capture.experts`); the experts are traced one by one where that does not apply.
     """
     from autopar.capture.validate import validate_inputs
 
@@ -127,24 +131,36 @@ def capture(
     module_names = {id(m): name for name, m in (root if loss_fn is not None else model).named_modules()}
 
     t0 = time.perf_counter()
+    expert_lists = experts.find_expert_lists(model) if group_experts and not via_export else []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with _tracing_flags(), _fake_parameters(root, fake_mode, dtype) as groups:
         fake_inputs = tuple(_to_fake(x, fake_mode, dtype) for x in example_inputs)
-        out = _preflight(root, fake_inputs, fake_mode, module_names)
+        with experts.screening(expert_lists):
+            out = _preflight(root, fake_inputs, fake_mode, module_names)
         tree = _output_tree(out, model)
         root.tree = tree  # with a tree, the graph returns (loss, *the other tensors)
         t_preflight = time.perf_counter() - t0
         try:
-            with _track_modules({id(m): n for n, m in model.named_modules()}):
+            with _track_modules({id(m): n for n, m in model.named_modules()}), \
+                    experts.expert_stubs(expert_lists):
                 traced = torch.export.export(root, fake_inputs, strict=False).module() if via_export else root
                 wrapper = "model." if root is not model else ""
                 gm, inputs, outputs = _joint(traced, fake_inputs, wrapper)
         except CaptureError:
             raise  # already says what to fix
         except Exception as exc:
+            if expert_lists:  # a list that is no group of experts: trace it as it is
+                with experts.excluding(exc, expert_lists):
+                    return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks)
             raise CaptureError.from_exception(exc, module_names) from exc
-    if not via_export:  # export's own nn_module_stack metadata serves otherwise
-        _label_modules(gm)
+        if not via_export:  # export's own nn_module_stack metadata serves otherwise
+            _label_modules(gm)
+        if expert_lists:
+            try:
+                note = experts.grouped_note(experts.group_experts(gm, expert_lists, fake_mode), note)
+            except experts.NotGroupable as exc:
+                with experts.excluding(exc, expert_lists):
+                    return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks)
     gm, inputs, outputs, aliases = _merge_tied(gm, inputs, outputs, groups)
     shapes, dtypes = {}, {}
     for node in gm.graph.nodes:

@@ -72,17 +72,22 @@ class BlockStack:
 
 
 def find_stack(model: nn.Module) -> BlockStack | None:
-    """The model's longest list of at least `MIN_BLOCKS` alike blocks, or None."""
+    """The model's longest list of at least `MIN_BLOCKS` alike blocks, or None. A list inside
+    the blocks of another (a MoE layer's experts inside a stack of layers) is not a candidate:
+    the outer one repeats it."""
     best: BlockStack | None = None
-    for path, module in model.named_modules():
+    found: list[str] = []
+    for path, module in model.named_modules():  # outer modules first
         if type(module) not in (nn.ModuleList, nn.Sequential) or len(module) < MIN_BLOCKS:
             continue
-        if best is not None and len(module) <= best.count:
+        if any(path.startswith(outer + ".") for outer in found):
             continue
         blocks = list(module)
         if all(_alike(blocks[1], blocks[i], 1, i) for i in range(2, len(blocks) - 1)) and \
                 _same_tensors(blocks[0], blocks[1]) and _same_tensors(blocks[-1], blocks[1]):
-            best = BlockStack(path, len(blocks))
+            found.append(path)
+            if best is None or len(blocks) > best.count:
+                best = BlockStack(path, len(blocks))
     return best
 
 
@@ -124,6 +129,8 @@ def _equal(x, y) -> bool:
         return x.func is y.func and _equal(x.args, y.args) and _equal(x.keywords, y.keywords)
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return x is y
+    if isinstance(x, int) and isinstance(y, int):  # int's own comparison: a watched index records none
+        return type(x) is type(y) and int.__eq__(x, y)
     try:
         return bool(x == y)
     except Exception:
@@ -221,6 +228,8 @@ def capture_repeated(model: nn.Module, example_inputs, trace: Callable[..., Trai
     if read:  # the blocks' code computes with its index: each block may run other ops
         return None, (f"traced all {stack.count} blocks of {stack.path} (their forward computes with "
                       f"their index {', '.join(sorted(read))}, so no block stands for another)")
+    if any(n.meta.get("expert_group", ("",))[0] == stack.path for n in small.gm.graph.nodes):
+        return None, ""  # a group of experts run side by side, not a stack: grouped as a whole
     try:
         graph = expand(small, stack)
     except NotRepeatable as exc:

@@ -71,6 +71,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
 
     arrays: dict[str, list] = {k: [] for k in _NODE_DTYPES}
     expert_io = np.zeros(max(n_layers, 1) + 2)
+    crossed: set[tuple[torch.fx.Node, bool]] = set()
     for node in nodes:
         if node.op != "call_function":
             continue
@@ -119,8 +120,11 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         if expert_prefixes and info.phase == "forward" and out_bd:
             mine = _under(info.module, expert_prefixes)
             for i in node.all_input_nodes:
-                other = _under(analysis.nodes[i.name].module, expert_prefixes)
-                if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward":
+                source = _source(node, i, analysis)
+                other = _under(analysis.nodes[source.name].module, expert_prefixes)
+                if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward" and \
+                        (source, mine) not in crossed:  # a value sent once, however many read it
+                    crossed.add((source, mine))
                     expert_io[layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
 
     # what the recompute pass keeps and rebuilds per mode (`_recompute_marks`): the rows of the
@@ -239,6 +243,17 @@ def _expert_modules(graph: TrainingGraph) -> tuple[str, ...]:
         if match:
             prefixes.add(match.group(1))
     return tuple(sorted(prefixes))
+
+
+def _source(node: torch.fx.Node, value: torch.fx.Node, analysis: GraphAnalysis) -> torch.fx.Node:
+    """Where ``value``, read by ``node``, comes from for the experts' all-to-all: through views
+    where either side is grouped experts' work (`autopar.capture.experts`: the grouped
+    computation's first and last ops are views of what enters and leaves the experts)."""
+    source = value
+    while source.op == "call_function" and analysis.nodes[source.name].is_view and source.all_input_nodes:
+        source = source.all_input_nodes[0]
+    grouped = "expert_group" in node.meta or "expert_group" in source.meta
+    return source if grouped and source.op == "call_function" else value
 
 
 def _under(module: str, prefixes: tuple[str, ...]) -> bool:
