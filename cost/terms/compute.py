@@ -32,7 +32,8 @@ FRAMEWORK_EFFICIENCY = 0.85
 FP8_CAST_BYTES_PER_INPUT_BYTE = 2.5
 # Sequence length at which flash attention reaches half its long-sequence rate: FlashAttention-2
 # (Dao 2023, fig. 4, A100, causal, head dim 128, forward + backward) runs ~91 TFLOP/s at 512
-# tokens, ~158 at 2K, ~187 at 8K, ~193 at 16K: s / (s + 512) of the 16K-asymptote within 5 %.
+# tokens, ~158 at 2K, ~187 at 8K, ~193 at 16K (read off the figure): s / (s + 512) follows
+# them within 10 %.
 ATTENTION_HALF_SEQ = 512.0
 # torch 2.13's CPU `_scaled_mm` (it runs the FP8 numerics on CPU ranks): measured on a 2-core
 # host at 0.03-0.05 GFLOP/s for 128x64x64 to 512x256x256 (fp32 matmul there: 110-230 GFLOP/s). FP8 runs on CPU ranks when asked, and "auto" never picks it there.
