@@ -155,3 +155,11 @@ def test_attention_efficiency_prices_attention(facts):
     assert np.array_equal(times[0][~att], times[2][~att])
     with pytest.raises(ValueError, match="attention_efficiency"):
         CostParams(attention_efficiency=0.1)
+
+
+def test_measured_runs_are_priced_as_their_frameworks_hold_memory():
+    from autopar.calibrate.runs import Run, RunPricer
+
+    pricer = RunPricer("h100", gpus_per_node=2)
+    lay = autopar.Layout(dp=2, microbatch=1, grad_accum=1, precision="bf16")
+    assert pricer.facts(Run(1, "tiny-llama", 1, lay, 64, 1.0, None)).framework_memory
