@@ -47,6 +47,10 @@ The parameters (bounds in `PARAMETERS`; the fit never leaves them):
   workspaces).
 - ``activation_fragmentation``: allocator bytes per live activation byte (the caching
   allocator's rounding and fragmentation).
+- ``attention_efficiency``: the rate flash attention's kernels reach at long sequences over the
+  large-GEMM rate (`cost.terms.compute.attention_efficiency`: it falls at short sequences as
+  s / (s + 512)). Default 0.5: FlashAttention-2 on an H100 (~0.35 of the dense peak, the
+  FlashAttention-3 paper) over the H100's GEMM asymptote 0.725.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class CostParams:
     p2p_node_overhead_s: float = 0.0
     memory_reserve_bytes: float = 1.5e9
     activation_fragmentation: float = 1.0
+    attention_efficiency: float = 0.5
 
     def __post_init__(self) -> None:
         for spec in PARAMETERS:
@@ -148,6 +153,13 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ParamSpec("memory_reserve_bytes", 0.5e9, 4e9, "bytes",
               "the playbook: 1-2 GB per GPU for the CUDA context and kernels (the middle)"),
     ParamSpec("activation_fragmentation", 1.0, 1.6, "bytes per live byte", "no fragmentation"),
+    # FlashAttention-2 on an H100 SXM: ~0.35 of the dense bf16 peak forward and backward at
+    # long causal sequences, head dim 128 (Shah et al. 2024, FlashAttention-3, fig. 5-6),
+    # against 0.725 for large GEMMs: ~0.5; on an A100 ~0.61 / 0.8 (Dao 2023). Short sequences
+    # barely constrain it (attention is a small share there), so a prior holds it
+    ParamSpec("attention_efficiency", 0.25, 1.0, "x large-GEMM rate",
+              "FlashAttention-2 on H100 (FlashAttention-3 paper) over the GEMM asymptote",
+              prior=0.5),
 )
 TIME_PARAMETERS = tuple(s.name for s in PARAMETERS
                         if s.name not in ("memory_reserve_bytes", "activation_fragmentation"))

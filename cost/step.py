@@ -34,7 +34,7 @@ from cost.layout import Layout, LayoutError
 from cost.memory import MemoryBreakdown, buffer_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.plan_types import RecomputeChoice, block_pattern, fp8_group
-from cost.precision import recipe
+from cost.precision import fused_accum, recipe
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from cost.terms.common import (
     block_params,
@@ -67,6 +67,7 @@ from cost.terms.recompute import (
     choose_auto,
     columns,
     fixed_choice,
+    local_block_input_bytes,
     local_saved_bytes,
     rerun_per_stage,
     staged_activation_memory,
@@ -377,15 +378,17 @@ def _memory(facts, cluster, lay, rec, params_stage, choices: tuple[RecomputeChoi
     # without recompute; with it, the values the pass does not rebuild and the roots its chains
     # start from, block inputs included), and what each block's backward rebuilds
     per_stage, extra = staged_activation_memory(facts, local_saved_bytes(facts, cluster, lay),
-                                                stage_of(facts, facts.saved.layer, cluster, lay), choices)
+                                                stage_of(facts, facts.saved.layer, cluster, lay), choices,
+                                                local_block_input_bytes(facts, cluster, lay))
     recomputing = np.array([c.mode != "none" for c in choices])
     per_stage = per_stage + kept_sp_gathers(facts, cluster, lay, pp) * recomputing  # Layout.regather
     extra = extra if transient else np.zeros(pp)
     block_params_ = block_params(facts, lay, n_layers)
     stash = zb_stash_per_stage(facts, cluster, lay)
+    held = fused_accum(rec) if facts.framework_memory else rec
     out = []
     for s in range(pp):
-        states = model_state_bytes(float(params_stage[s]), rec, lay.zero, lay.dp * lay.cp)
+        states = model_state_bytes(float(params_stage[s]), held, lay.zero, lay.dp * lay.cp)
         out.append(
             MemoryBreakdown(
                 params=states["params"],

@@ -205,6 +205,14 @@ class StepFacts:
     # the loss is a mean over valid tokens (`passes.token_count`): the executor all-reduces
     # their count over the data-parallel ranks every step
     counts_tokens: bool = False
+    # memory as the frameworks of measured runs hold it (Megatron-LM, nanotron, llm-foundry's
+    # FSDP; `RunPricer` prices their runs so; autopar's own plans keep False, what its passes
+    # run): a fused or vocabulary-parallel cross-entropy keeps its fp32 buffer once and writes
+    # its gradient in place (`cost.terms.recompute.transient_bytes`); full recompute
+    # checkpoints whole blocks, keeping only each block's input
+    # (`cost.terms.recompute.framework_kept`); gradients accumulate straight into the fp32
+    # buffer, no bf16 copy beside it (`cost.precision.recipe`'s ``fused_accum``)
+    framework_memory: bool = False
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

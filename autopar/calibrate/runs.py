@@ -227,9 +227,12 @@ class RunPricer:
             base = step.facts_for(self.run_cluster(run), run.layout)
             # the runs' framework cut its pipelines by compute, not under each stage's memory:
             # priced so, a run that ran out of memory is not made to fit by a better cut; and it
-            # does not all-reduce a token count every step (autopar's runtime does)
+            # does not all-reduce a token count every step (autopar's runtime does); its loss
+            # is a fused or vocabulary-parallel cross-entropy and its full recompute
+            # checkpoints whole blocks (Megatron-LM, nanotron, llm-foundry: `StepFacts`)
             self._facts[key] = dataclasses.replace(base.rebatch(run.global_batch), memory_cuts=False,
-                                                   counts_tokens=False, _memo={})
+                                                   counts_tokens=False, framework_memory=True,
+                                                   _memo={})
         return self._facts[key]
 
     def _kind(self, run: Run) -> str:

@@ -30,6 +30,11 @@ FRAMEWORK_EFFICIENCY = 0.85
 # scale-and-cast reads it again and writes one byte per element (half a bf16 input's bytes):
 # 2.5 bytes moved per input byte, as fused kernels run it (torchao's compiled casts).
 FP8_CAST_BYTES_PER_INPUT_BYTE = 2.5
+# Sequence length at which flash attention reaches half its long-sequence rate: FlashAttention-2
+# (Dao 2023, fig. 4, A100, causal, head dim 128, forward + backward) runs ~91 TFLOP/s at 512
+# tokens, ~158 at 2K, ~187 at 8K, ~193 at 16K (read off the figure): s / (s + 512) follows
+# them within 10 %.
+ATTENTION_HALF_SEQ = 512.0
 # torch 2.13's CPU `_scaled_mm` (it runs the FP8 numerics on CPU ranks): measured on a 2-core
 # host at 0.03-0.05 GFLOP/s for 128x64x64 to 512x256x256 (fp32 matmul there: 110-230 GFLOP/s). FP8 runs on CPU ranks when asked, and "auto" never picks it there.
 CPU_FP8_MATMUL_FLOPS = 5e7
@@ -77,6 +82,7 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
 
 def _times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
     return ("times", cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
+            cluster.params.attention_efficiency,
             layout.tp, layout.cp, layout.sp, layout.microbatch, facts.batch, layout.precision,
             layout.fp8, layout.fp8_recipe)
 
@@ -99,8 +105,27 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
         dtype = np.where(fp8, "fp8", dtype)
         cast = (n.fp8_act_bytes * scale / cp + n.fp8_const_bytes) / div
         nbytes = nbytes + np.where(fp8, cast * FP8_CAST_BYTES_PER_INPUT_BYTE, 0.0)
-    return roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
-                          cluster.params.gemm_half_scale)
+    times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
+                           cluster.params.gemm_half_scale)
+    if n.is_attention.any() and not gpu.is_cpu:
+        att = n.is_attention & (flops > 0)
+        rate = gpu.peak(compute_dtype(gpu, lay.precision)) * attention_efficiency(
+            gpu, facts.seq / cp, cluster.params.attention_efficiency, compute_dtype(gpu, lay.precision))
+        times = np.where(att, np.maximum(times, flops / rate), times)
+    return times
+
+
+def attention_efficiency(gpu: GPUSpec, seq: float, scale: float, dtype: str = "bf16") -> float:
+    """Fraction of the dense peak a flash-attention kernel (forward and backward, causal, its
+    FLOPs counted as the kernel runs them: half the square) reaches at ``seq`` local tokens:
+
+        eff(s) = scale * e_gemm * s / (s + S_half)
+
+    ``e_gemm`` the GPU's large-GEMM efficiency, ``scale`` `CostParams.attention_efficiency`
+    (the long-sequence attention rate over the GEMM rate), S_half `ATTENTION_HALF_SEQ`: the
+    tiles on the causal diagonal, the per-(batch, head) prologue and the softmax rescaling
+    weigh more at short sequences."""
+    return scale * gpu.efficiency(dtype) * seq / (seq + ATTENTION_HALF_SEQ)
 
 
 def fp8_candidates(facts: StepFacts, layout: Layout) -> np.ndarray:

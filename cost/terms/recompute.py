@@ -42,6 +42,12 @@ from cost.step_facts import StepFacts
 
 MAX_EXACT_GROUPS = 12  # 2^12 subsets enumerated; more groups are added greedily
 MAX_EXACT_CHECKS = 32  # candidates checked on their exact columns before falling back to full
+# A fused or vocabulary-parallel cross-entropy (`StepFacts.framework_memory`) computes its softmax in
+# place in the fp32 buffer it keeps for the backward and writes the gradient in place too; the
+# only new buffer its backward makes is the logits' gradient in the matmul's dtype: bf16, half
+# the fp32 buffer's bytes (Megatron-LM's `VocabParallelCrossEntropy`, nanotron's
+# `sharded_cross_entropy`; flash-attn's fused kernel keeps the bf16 logits, less still).
+FUSED_LOSS_TRANSIENT = 0.5
 
 
 @dataclass(frozen=True)
@@ -144,7 +150,7 @@ def _local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np
 
 
 def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,
-                      choice: RecomputeChoice) -> tuple[np.ndarray, float]:
+                      choice: RecomputeChoice, block_input: float = 0.0) -> tuple[np.ndarray, float]:
     """(saved bytes of one micro-batch per stage, transient bytes) under ``choice``.
 
     ``local``: `local_saved_bytes`; ``stage``: the stage of each row. The transient: at the
@@ -153,13 +159,63 @@ def activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp
     count misses (it made micro-batches 1.2-2.3x larger than the playbook could run look like
     they fit: `autopar bench cost-model`, section 4b); and under recompute, a block's backward
     first rebuilds its recomputed values, live beside the kept ones while that block's
-    backward runs, one block at a time."""
+    backward runs, one block at a time. ``block_input``: `local_block_input_bytes`, what a
+    framework's block checkpoint keeps per block (`framework_kept`)."""
     cols = columns(facts, choice)
-    kept = local * cols.kept
+    kept = framework_kept(facts, local * cols.kept, choice, block_input)
     per_stage = np.bincount(stage, weights=kept, minlength=pp)
-    transient = 2.0 * float(kept.max()) if len(local) else 0.0
+    transient = float(transient_bytes(facts, kept, np.zeros(len(kept), dtype=int), 1).max()) \
+        if len(local) else 0.0
     transient += rebuilt_peak(local, cols.rebuilt, facts.saved.layer, choice_sweep(facts, choice))
     return per_stage, transient
+
+
+def loss_rows(facts: StepFacts) -> np.ndarray:
+    """Rows of `SavedTable` the loss holds when it is fused (`StepFacts.framework_memory`): the
+    values saved after the last block (the log-probabilities over the vocabulary); none
+    otherwise (autopar's runtime runs the captured, unfused loss)."""
+    if not facts.framework_memory or facts.n_layers <= 0:
+        return np.zeros(len(facts.saved), dtype=bool)
+    return facts.saved.layer >= facts.n_layers
+
+
+def transient_bytes(facts: StepFacts, kept: np.ndarray, stage: np.ndarray, pp: int) -> np.ndarray:
+    """The backward's transient per stage from the values kept (bytes per row): twice the
+    largest kept value (it and its gradient); a fused loss's values count
+    `FUSED_LOSS_TRANSIENT` times instead (their gradient is written in place, and only the
+    logits' low-precision gradient is new)."""
+    loss = loss_rows(facts)
+    largest, held = np.zeros(pp), np.zeros(pp)
+    np.maximum.at(largest, stage, np.where(loss, 0.0, kept))
+    np.maximum.at(held, stage, np.where(loss, kept, 0.0))
+    return np.maximum(2.0 * largest, FUSED_LOSS_TRANSIENT * held)
+
+
+def framework_kept(facts: StepFacts, kept: np.ndarray, choice: RecomputeChoice,
+                   block_input: float) -> np.ndarray:
+    """``kept`` (bytes per row) as a framework's block checkpoint holds it under full
+    recompute (`StepFacts.framework_memory`: Megatron-LM's and nanotron's full recompute,
+    FSDP's per-block activation checkpointing): each block keeps only its input,
+    ``block_input`` bytes (`local_block_input_bytes`), counted on the block's first kept row;
+    its other values (autopar's pass also keeps the attention outputs) are rebuilt. Unchanged
+    otherwise."""
+    if not facts.framework_memory or choice.mode != "full" or block_input <= 0:
+        return kept
+    layer = facts.saved.layer
+    inside = (layer >= 0) & (layer < facts.n_layers) & (kept > 0)
+    rows = np.flatnonzero(inside)
+    out = np.where(inside, 0.0, kept)
+    if len(rows):
+        _, first = np.unique(layer[rows], return_index=True)
+        out[rows[first]] = block_input
+    return out
+
+
+def local_block_input_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> float:
+    """One block's input on one device for one micro-batch (sequence-sharded under SP), as
+    the caching allocator holds it (`CostParams.activation_fragmentation`)."""
+    scale = layout.microbatch / facts.batch / layout.cp / (layout.tp if layout.sp else 1)
+    return facts.block_input_bytes * scale * cluster.params.activation_fragmentation
 
 
 def choice_sweep(facts: StepFacts, choice: RecomputeChoice) -> tuple[np.ndarray, np.ndarray]:
@@ -171,10 +227,11 @@ def choice_sweep(facts: StepFacts, choice: RecomputeChoice) -> tuple[np.ndarray,
 
 
 def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
-                             choices: tuple[RecomputeChoice, ...]) -> tuple[np.ndarray, np.ndarray]:
+                             choices: tuple[RecomputeChoice, ...], block_input: float = 0.0
+                             ) -> tuple[np.ndarray, np.ndarray]:
     """`activation_memory` with a choice per pipeline stage: (saved bytes of one micro-batch
-    per stage, transient bytes per stage: twice the largest kept value of the step and the
-    stage's backward's rebuilt peak); stage s's rows counted under ``choices[s]``.
+    per stage, transient bytes per stage: the step's `transient_bytes` and the stage's
+    backward's rebuilt peak); stage s's rows counted under ``choices[s]``.
 
     The largest value (the logits in a language model) counts on every stage, not only on the
     one that holds it: on the playbook's runs (`autopar bench playbook`, the shipped h100-efa
@@ -182,17 +239,17 @@ def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndar
     pipeline runs that failed then predicted to fit; what it stands for on the other stages
     (the pipeline engine's buffers?) is not known."""
     pp = len(choices)
-    per_stage, largest, rebuilt = np.zeros(pp), np.zeros(pp), np.zeros(pp)
+    per_stage, transient, rebuilt = np.zeros(pp), np.zeros(pp), np.zeros(pp)
     for choice in set(choices):
         cols = columns(facts, choice)
         mine = local if len(set(choices)) == 1 else \
             local * np.isin(stage, [s for s in range(pp) if choices[s] == choice])
-        kept = mine * cols.kept
+        kept = framework_kept(facts, mine * cols.kept, choice, block_input)
         per_stage += np.bincount(stage, weights=kept, minlength=pp)
-        np.maximum.at(largest, stage, kept)
+        transient = np.maximum(transient, transient_bytes(facts, kept, stage, pp))
         rebuilt = np.maximum(rebuilt, rebuilt_peaks(mine, cols.rebuilt, facts.saved.layer, stage, pp,
                                                     choice_sweep(facts, choice)))
-    return per_stage, 2.0 * largest.max() + rebuilt
+    return per_stage, transient.max() + rebuilt
 
 
 def staged_rerun(facts: StepFacts, choices: tuple[RecomputeChoice, ...], node_stage: np.ndarray) -> np.ndarray:

@@ -1,0 +1,165 @@
+"""Memory as the frameworks of measured runs hold it (`StepFacts.framework_memory`) and flash
+attention's efficiency against sequence length (`cost.terms.compute.attention_efficiency`).
+
+On a zoo model (tiny-llama) and a plain-PyTorch language model with two losses, captured on
+the meta device as `autopar.calibrate.runs.RunPricer` captures a measured run:
+- full recompute as a framework's block checkpoint keeps exactly one block input per block
+  beside what lies outside the blocks (autopar's own pass keeps more: the attention outputs);
+- a fused loss counts its fp32 log-probabilities once: the backward's transient is half that
+  buffer (the logits' bf16 gradient), not twice it; autopar's own plans are unchanged;
+- gradients accumulate straight into the fp32 buffer: 2 bytes per parameter fewer;
+- attention's rate rises with the sequence as FlashAttention-2's measurements do.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar import models
+from autopar.search.step import captured_step
+from cost.cluster import Cluster
+from cost.params import CostParams
+from cost.plan_types import RecomputeChoice
+from cost.precision import fused_accum, recipe
+from cost.step import predict_memory
+from cost.terms.compute import ATTENTION_HALF_SEQ, attention_efficiency, node_times
+from cost.terms.recompute import (
+    FUSED_LOSS_TRANSIENT,
+    columns,
+    local_block_input_bytes,
+    local_saved_bytes,
+    loss_rows,
+)
+
+
+class TinyLM(nn.Module):
+    """A causal language model in plain PyTorch: pre-norm blocks, SDPA attention, a GELU MLP,
+    cross-entropy plus a z-loss on the logits (two losses)."""
+
+    def __init__(self, vocab=512, hidden=128, heads=4, layers=3):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": nn.LayerNorm(hidden), "qkv": nn.Linear(hidden, 3 * hidden),
+            "out": nn.Linear(hidden, hidden), "ln2": nn.LayerNorm(hidden),
+            "up": nn.Linear(hidden, 4 * hidden), "down": nn.Linear(4 * hidden, hidden)})
+            for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        b, s, h = x.shape
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True)
+            x = x + blk["out"](a.transpose(1, 2).reshape(b, s, h))
+            x = x + blk["down"](F.gelu(blk["up"](blk["ln2"](x))))
+        logits = self.head(self.norm(x)).float()
+        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return ce + 1e-4 * torch.logsumexp(logits, -1).pow(2).mean()
+
+
+def _zoo():
+    cfg = dataclasses.replace(models.config("tiny-llama"), name="tiny-llama-fw", max_seq=256)
+    return (models.build(cfg, device="meta"),
+            models.example_inputs(cfg, batch=8, seq=256, device="meta"))
+
+
+def _own():
+    with torch.device("meta"):
+        model = TinyLM()
+    ids = torch.zeros(8, 256, dtype=torch.long, device="meta")
+    return model, (ids, ids.clone())
+
+
+@pytest.fixture(scope="module", params=["zoo", "own"])
+def facts(request):
+    model, inputs = (_zoo if request.param == "zoo" else _own)()
+    cluster = Cluster("h100", nodes=1, gpus_per_node=8)
+    step = captured_step(model, inputs, None, torch.bfloat16)
+    base = step.facts_for(cluster, autopar.Layout(dp=8, microbatch=1, grad_accum=1))
+    return base, dataclasses.replace(base, framework_memory=True, _memo={}), cluster
+
+
+def test_full_recompute_keeps_block_inputs_only(facts):
+    own, framework, cluster = facts
+    lay = autopar.Layout(dp=8, microbatch=1, grad_accum=1, recompute="full")
+    local = local_saved_bytes(framework, cluster, lay)
+    kept = local * columns(framework, RecomputeChoice("full")).kept
+    outside = (framework.saved.layer < 0) | (framework.saved.layer >= framework.n_layers)
+    expect = kept[outside].sum() + framework.n_layers * local_block_input_bytes(framework, cluster, lay)
+    fw = predict_memory(framework, cluster, lay)
+    assert fw.activations == pytest.approx(expect, rel=1e-9)
+    # autopar's own pass keeps more than the block inputs (its attention outputs)
+    assert predict_memory(own, cluster, lay).activations > fw.activations
+
+
+def test_fused_loss_holds_the_logits_once(facts):
+    own, framework, cluster = facts
+    lay = autopar.Layout(dp=8, microbatch=1, grad_accum=1)
+    loss = loss_rows(framework)
+    assert loss.any() and not loss_rows(own).any()
+    local = local_saved_bytes(framework, cluster, lay)
+    logp = float((local * framework.saved.kept_none * loss).max())
+    others = float((local * framework.saved.kept_none * ~loss).max())
+    assert logp > others  # the loss's fp32 buffer is the largest value of a language model
+    mine, theirs = predict_memory(own, cluster, lay), predict_memory(framework, cluster, lay)
+    # autopar's runtime: it and its gradient (2x); a fused loss: its bf16 gradient (0.5x)
+    assert mine.buffers - theirs.buffers == pytest.approx(
+        2 * logp - max(2 * others, FUSED_LOSS_TRANSIENT * logp), rel=1e-6)
+    assert mine.activations == pytest.approx(theirs.activations)  # nothing else moves
+
+
+def test_fp32_gradients_only(facts):
+    own, framework, cluster = facts
+    lay = autopar.Layout(dp=8, microbatch=1, grad_accum=1, fp32_grad_accum=True)
+    rec = recipe("bf16", True)
+    assert fused_accum(rec).state_bytes == rec.state_bytes - 2  # Megatron-LM's 18 bytes
+    assert fused_accum(recipe("bf16", False)) == recipe("bf16", False)
+    mine, theirs = predict_memory(own, cluster, lay), predict_memory(framework, cluster, lay)
+    assert theirs.grads == pytest.approx(mine.grads * 4 / 6)
+
+
+def test_attention_rate_rises_with_sequence():
+    gpu = Cluster("h100", nodes=1).gpu
+    seqs = np.array([512, 2048, 8192, 16384, 65536])
+    eff = np.array([attention_efficiency(gpu, s, 0.5) for s in seqs])
+    assert np.all(np.diff(eff) > 0)
+    # FlashAttention-2's A100 curve (fig. 4): 512 -> 16K tokens runs ~91 -> ~193 TFLOP/s
+    assert eff[0] / eff[3] == pytest.approx(91 / 193, rel=0.1)
+    assert attention_efficiency(gpu, ATTENTION_HALF_SEQ, 1.0) == pytest.approx(gpu.efficiency("bf16") / 2)
+
+
+def test_attention_efficiency_prices_attention(facts):
+    _, framework, _ = facts
+    big = framework.rebatch(8192)  # enough work per kernel to leave the launch floor
+    lay = autopar.Layout(dp=8, microbatch=1024, grad_accum=1)
+    att = big.nodes.is_attention & (big.nodes.flops > 0)
+    assert att.any()
+    times = []
+    for eff in (1.0, 0.5, 0.25):
+        c = Cluster("h100", nodes=1, gpus_per_node=8)
+        c.params = CostParams(attention_efficiency=eff)
+        times.append(node_times(dataclasses.replace(big, _memo={}), c, lay))
+    # attention's seconds scale with 1 / attention_efficiency once its FLOPs dominate;
+    # every other node is priced as before
+    assert times[2][att].sum() == pytest.approx(2 * times[1][att].sum(), rel=0.01)
+    assert np.array_equal(times[0][~att], times[2][~att])
+    with pytest.raises(ValueError, match="attention_efficiency"):
+        CostParams(attention_efficiency=0.1)
+
+
+def test_measured_runs_are_priced_as_their_frameworks_hold_memory():
+    from autopar.calibrate.runs import Run, RunPricer
+
+    pricer = RunPricer("h100", gpus_per_node=2)
+    lay = autopar.Layout(dp=2, microbatch=1, grad_accum=1, precision="bf16")
+    assert pricer.facts(Run(1, "tiny-llama", 1, lay, 64, 1.0, None)).framework_memory
