@@ -67,7 +67,7 @@ class OutputTree:
         return cls(spec, loss_leaf, tensors, consts, paths)
 
     def name(self, k: int) -> str:
-        """Where the k-th other tensor sits in the output (``['logits']``, ``[1]``)."""
+        """Where the k-th other tensor sits in the output (``output['logits']``, ``output[1]``)."""
         return self.paths[self.tensor_leaves[k]] if self.paths else f"other output {k + 1}"
 
     def flat(self, out) -> tuple[torch.Tensor, ...]:
