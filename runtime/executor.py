@@ -173,19 +173,24 @@ class _PipelineStep(torch.autograd.Function):
 
 
 def merge_micro_batches(others: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The forward's other outputs over the step's micro-batches (one list per micro-batch):
-    each concatenated on dim 0 (the batch dim); a 0-dim value (a metric, an auxiliary loss)
-    averaged over the micro-batches if it is floating (micro-batches hold equally many
-    samples), summed if it is an integer (a count)."""
+    """The forward's other outputs over the step's micro-batches (one list per micro-batch),
+    each in its own dtype: a tensor concatenated on dim 0 (the batch dim); a 0-dim value (a
+    metric, an auxiliary loss) averaged over the micro-batches if it is floating (micro-batches
+    hold equally many samples), summed if it is an integer (a count). The planner refuses any
+    other output this does not join exactly (`autopar.capture.outputs.check_mergeable`)."""
     if len(others) == 1:
         return list(others[0])
     merged = []
     for values in zip(*others):
-        if values[0].dim() == 0:
-            total = torch.stack(values).sum()  # an integer value is a count: it adds up
-            merged.append((total / len(values)).to(values[0].dtype) if values[0].is_floating_point() else total)
-        else:
+        first = values[0]
+        if first.dim() > 0:
             merged.append(torch.cat(values, dim=0))
+        elif first.dtype == torch.bool:
+            raise ValueError("a 0-dim bool output has no join over micro-batches: return it as a number")
+        elif first.is_floating_point() or first.is_complex():
+            merged.append(torch.stack(values).mean(0))
+        else:  # an integer value is a count: it adds up, kept in its dtype
+            merged.append(torch.stack(values).sum(0).to(first.dtype))
     return merged
 
 

@@ -373,11 +373,16 @@ def pipeline_outputs(plan: PipelinePlan, runners: list[_StageRunner], m: int, me
     for k in range(len(owner)):
         name = f"{OUTPUT}{k}"
         rank, val = owner[name]
+        # every rank knows the joined value's shape and dtype: the merge keeps the dtype and
+        # joins dim 0, the batch (the planner refuses any other output, check_mergeable)
+        shape = tuple(val.shape) if val.dim() == 0 or merge is None else (val.shape[0] * m, *val.shape[1:])
         if rank == plan.rank:
             value = merge([[v] for v in made[name]])[0] if merge else made[name][-1]
-            value = value.contiguous()
+            value = value.to(val.dtype).contiguous()
+            if tuple(value.shape) != shape:  # before the broadcast: the other ranks expect shape
+                raise RuntimeError(f"pipeline output {name} joined to shape {list(value.shape)}, "
+                                   f"not {list(shape)}")
         else:
-            shape = tuple(val.shape) if val.dim() == 0 or merge is None else (val.shape[0] * m, *val.shape[1:])
             value = torch.empty(shape, dtype=val.dtype, device=device)
         dist.broadcast(value, group=plan.group, group_src=rank)
         result.append(value)

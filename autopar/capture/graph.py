@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class OutputTree:
     loss_leaf: int
     tensor_leaves: list[int]
     consts: dict[int, object]
+    paths: list[str] = field(default_factory=list)  # each leaf's place in the output, as text
 
     @classmethod
     def of(cls, out, loss: torch.Tensor) -> OutputTree:
@@ -60,8 +62,13 @@ class OutputTree:
         leaves, spec = pytree.tree_flatten(out)
         loss_leaf = next(i for i, x in enumerate(leaves) if x is loss)
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != loss_leaf]
-        consts = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
-        return cls(spec, loss_leaf, tensors, consts)
+        paths = _leaf_paths(out)
+        consts = {i: _constant(x, paths[i]) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+        return cls(spec, loss_leaf, tensors, consts, paths)
+
+    def name(self, k: int) -> str:
+        """Where the k-th other tensor sits in the output (``output['logits']``, ``output[1]``)."""
+        return self.paths[self.tensor_leaves[k]] if self.paths else f"other output {k + 1}"
 
     def flat(self, out) -> tuple[torch.Tensor, ...]:
         """``(loss, *others detached)`` of an output of this structure (what the graph returns)."""
@@ -77,6 +84,27 @@ class OutputTree:
         for i, value in self.consts.items():
             leaves[i] = value
         return pytree.tree_unflatten(leaves, self.spec)
+
+
+# the non-tensor leaves a step returns as traced: anything else may hold the trace's fake tensors
+CONSTANTS = (type(None), bool, int, float, complex, str)
+
+
+def _leaf_paths(out) -> list[str]:
+    """Each leaf's place in ``out`` as text (``['cache']``, ``[1]``), in leaf order."""
+    return ["output" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(out)[0]]
+
+
+def _constant(value, path: str):
+    """``value`` where it is a `CONSTANTS` leaf; else None, with a warning naming it."""
+    if isinstance(value, CONSTANTS):
+        return value
+    warnings.warn(
+        f"the forward returns a {type(value).__name__} at {path}: the training step returns None "
+        "there (it holds values of the trace, not of the step; only tensors, numbers and strings "
+        "come back). fix: do not return it, e.g. use_cache=False for a transformers model",
+        stacklevel=2)
+    return None
 
 
 @dataclass

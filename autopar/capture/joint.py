@@ -61,6 +61,12 @@ def _output_tree(out, model: nn.Module) -> OutputTree | None:
                 f"{type(model).__name__} returned a {type(out).__name__} whose first value is "
                 f"{type(loss).__name__}, not the loss.\n  fix: return the loss first, e.g. "
                 "(loss, logits), or a dict with a 'loss' key")
+        if loss.numel() != 1:
+            raise CaptureError(
+                f"{type(model).__name__} returned a {type(out).__name__} whose first value is a "
+                f"tensor of shape {list(loss.shape)}, not a scalar loss: the step trains on the "
+                "first value of a tuple or list, or on a dict's 'loss' key.\n  fix: return the "
+                "loss first, e.g. (loss, logits), or a dict with a 'loss' key")
     return OutputTree.of(out, loss)
 
 
@@ -190,6 +196,20 @@ def capture(
         capture_note=note,
         output_tree=tree,
     )
+
+
+def other_outputs_at(model: nn.Module, graph: TrainingGraph, inputs: Sequence[torch.Tensor],
+                     loss_fn: Callable | None = None) -> list[torch.Tensor]:
+    """The forward's other tensors (fake; `OutputTree` order) for ``inputs`` of other shapes than
+    ``graph`` was captured with: one forward on fake tensors, no graph
+    (`autopar.capture.outputs.check_mergeable` reads which of them grow with the batch)."""
+    root = _Step(model, loss_fn)
+    root.tree = graph.output_tree
+    module_names = {id(m): name for name, m in root.named_modules()}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with _tracing_flags(), _fake_parameters(root, fake_mode):
+        fake_inputs = tuple(_to_fake(x, fake_mode) for x in inputs)
+        return list(_preflight(root, fake_inputs, fake_mode, module_names)[1:])
 
 
 def capture_with_sources(model: nn.Module, example_inputs: Sequence[torch.Tensor],

@@ -61,6 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.analysis.graph import analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
 from autopar.capture.joint import capture, capture_with_sources
+from autopar.capture.outputs import check_mergeable
 from autopar.errors import AutoparError, InputError
 from autopar.execution.module import ParallelModule, _dp_rank
 from autopar.execution.placement import _to_dtensors
@@ -190,6 +191,7 @@ def parallelize(
     local_inputs = tuple(x.chunk(lay.dp, dim=0)[_dp_rank(mesh)] for x in example_inputs)
     micro_inputs = tuple(x[: x.shape[0] // m] for x in local_inputs)
     graph = _capture_local(model, micro_inputs, loss_fn)
+    check_mergeable(model, graph, micro_inputs, local_inputs, loss_fn, m)
     signature = _signature(graph.gm, [(i.kind, i.name) for i in graph.inputs],
                            {o.name: o.index for o in graph.outputs if o.kind == "grad"},
                            next(o.index for o in graph.outputs if o.kind == "loss"),

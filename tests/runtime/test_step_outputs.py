@@ -4,7 +4,8 @@ A forward returning ``(loss, logits)``, a dict (with a None field and a scalar m
 transformers ModelOutput: ``pm(*batch)`` gives back the same structure, the step's loss in the
 loss's place (equal to one device's on the whole batch), every other tensor equal to one
 device's on this rank's slice of the batch (DDP's semantics; whole logits under TP), the
-micro-batches' values concatenated (a scalar averaged), under a pipeline on every rank;
+micro-batches' values concatenated (a float scalar averaged, an int32 count summed, each in
+its dtype), under a pipeline on every rank;
 gradients and SGD updates as on one device (only the loss is differentiated). Layouts
 dp=2 x grad_accum=2, tp=2 and pp=2 x grad_accum=2 on two gloo ranks (one spawn).
 """
@@ -38,8 +39,9 @@ class Own(nn.Module):
         if self.kind == "tuple":
             return loss, logits
         energy = logits.pow(2).mean()  # a scalar metric (argmax over TP-sharded logits is refused)
+        count = (logits > 0).sum().to(torch.int32)  # an int32 count: summed, kept int32
         return {"logits": logits, "loss": loss, "past": None, "energy": energy,
-                "hidden": self.emb(ids) * 2}
+                "hidden": self.emb(ids) * 2, "count": count}
 
 
 def _batch(rows: int = 8, seq: int = 6):
@@ -58,7 +60,8 @@ def _same_outputs(out, ref_slice, ref_loss, loss_leaf: int, label) -> list[tuple
     for i, (a, b) in enumerate(zip(leaves, ref_leaves)):
         b = ref_loss if i == loss_leaf else b
         if isinstance(b, torch.Tensor):
-            if not isinstance(a, torch.Tensor) or a.shape != b.shape or not close(a.float(), b.detach().float()):
+            if (not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype
+                    or not close(a.float(), b.detach().float())):
                 failures.append((*label, f"leaf {i}", getattr(a, "shape", a), tuple(b.shape)))
             elif i != loss_leaf and a.requires_grad:
                 failures.append((*label, f"leaf {i} requires grad"))
