@@ -48,6 +48,8 @@ runtime feeds d w_k with sum over all pieces of w_k = 1 for a mean):
   to c_i N_i / D_i, while means and uniform terms average as in "mean". The forward and the
   backward read the same node, so both see the global value. A mean ``nll_loss`` is rewritten
   as its sum divided by the new input; its backward already divides by ``total_weight``.
+  The inputs are scalars computed from data only: replicated under TP, fed to every pipeline
+  stage that reads them.
 
 ``Counter`` computes every D_i of one micro-batch from its user inputs and buffers (ops copied
 from the captured graph; a ``total_weight`` from the labels and class weights).
@@ -174,6 +176,10 @@ class LossReduction:
             return ""
         trace = self.node.meta.get("stack_trace") or ""
         lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+        if len(lines) >= 2 and lines[-2].startswith("File "):  # the innermost frame and its code
+            head = lines[-2].removeprefix("File ").split(", ")
+            if len(head) == 3:
+                return f"at {head[0].strip(chr(34))}:{head[1].removeprefix('line ')} {head[2]}: {lines[-1]}"
         if lines:
             return "\n    ".join(lines[-2:])
         module = self.node.meta.get("module")

@@ -38,7 +38,7 @@ the loss before the last stage, a gradient with no slot of its shape) is a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import fx
@@ -53,12 +53,20 @@ class PipelineSplitError(ValueError):
     """The graph cannot be cut into pipeline stages as planned (names the value and the stages)."""
 
 
+# the name a stage's "buffer update" takes when it is one of the forward's other outputs
+# (runtime/pipeline.py spells it too: the layers do not import each other)
+OUTPUT = "autopar.output:"
+
+
 def split_pipeline(gm: fx.GraphModule, signature: GraphSignature, node_stage: Mapping[str, int],
-                   pp: int) -> PipelineGraphs:
+                   pp: int, others: Sequence[int] = ()) -> PipelineGraphs:
     """Cut ``gm`` (a joint graph: loss, gradients, buffer updates) into ``pp`` stages.
 
     ``node_stage``: the stage of every call_function node (free nodes may be absent: they go
-    wherever they are read). Raises `PipelineSplitError` for a cut that cannot run.
+    wherever they are read). ``others``: output indices of the forward's other values (logits
+    beside the loss): the stage that makes each returns it among its buffer updates, named
+    ``OUTPUT`` + its position in ``others`` (a free value: the last stage).
+    Raises `PipelineSplitError` for a cut that cannot run.
     """
     nodes = list(gm.graph.nodes)
     holders = [n for n in nodes if n.op == "placeholder"]
@@ -92,6 +100,10 @@ def split_pipeline(gm: fx.GraphModule, signature: GraphSignature, node_stage: Ma
         users = by_name[buffer_nodes[name]].users if name in buffer_nodes else {}
         s = stage.get(value.name, min((stage[u.name] for u in users if u.name in stage), default=0))
         buffer_out[s].append((name, value))
+    for k, index in enumerate(others):
+        value = outs[index]
+        if isinstance(value, fx.Node):
+            buffer_out[stage.get(value.name, pp - 1)].append((f"{OUTPUT}{k}", value))
 
     # what each stage runs: its own nodes, its buffer updates and the free nodes they read
     need: dict[int, set[str]] = {s: set() for s in range(pp)}

@@ -455,8 +455,12 @@ def _fused_loss_backward(nll: fx.Node) -> bool:
     """``nll`` is an ``nll_loss`` backward whose gradient goes only to the backward of the
     log-softmax it reads: DTensor's ``loss_parallel`` fuses the two (Megatron's parallel
     cross-entropy, dx = (softmax - onehot) * g, no communication). Any other consumer of the
-    log-probabilities (or of their gradient) takes the exact general path."""
+    log-probabilities (or of their gradient) takes the exact general path, and so do class
+    weights: the fused backward gathers them at the raw target, out of bounds at an ignored
+    label (-100), where `_vocab_nll_backward` masks it."""
     if not isinstance(nll, fx.Node) or nll.target not in _NLL_BACKWARD or len(nll.users) != 1:
+        return False
+    if nll.args[3] is not None:  # class weights
         return False
     user = next(iter(nll.users))
     return user.target is aten._log_softmax_backward_data.default and user.args[0] is nll \

@@ -72,6 +72,9 @@ class RankGraph:
     # a pipeline stage's step (runtime/pipeline.py): ``gm`` is the whole rank graph, kept for
     # reading; the stage's own graphs run under the plan's schedule
     pipeline: PipelinePlan | None = None
+    # outputs of the forward other than the loss (logits, a dict's fields): their output
+    # indices, returned after the loss (`merge_micro_batches`), not differentiated
+    other_index: list[int] = field(default_factory=list)
 
 
 class _JointStep(torch.autograd.Function):
@@ -89,6 +92,7 @@ class _JointStep(torch.autograd.Function):
         seeds = [torch.full((), s, dtype=dtype, device=device) for s in weights]
         loss = None
         sums: dict[str, torch.Tensor] = {}
+        others: list[list[torch.Tensor]] = []
         for micro in range(m):
             last = micro == m - 1
             early = rank_graph.accumulate_gm is not None and not last
@@ -124,11 +128,12 @@ class _JointStep(torch.autograd.Function):
                     sums[name] = g if name not in sums else sums[name] + g
             part = out[rank_graph.loss_index].detach()  # weighted by its seed
             loss = part if loss is None else loss + part
+            others.append([out[i] for i in rank_graph.other_index])
         _save_grads(ctx, _as_parameters(sums, names, params))
-        return loss
+        return _with_others(ctx, loss, merge_micro_batches(others))
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *grad_others):
         # saved for backward: autograd frees them after it unless retain_graph=True, and a
         # second backward then hands them out again (accumulating, as eager does)
         grads = [None if missing else g for g, missing in zip(ctx.saved_tensors, ctx.missing)]
@@ -155,16 +160,42 @@ class _PipelineStep(torch.autograd.Function):
             t = p.to_local() if isinstance(p, DTensor) else p
             local[name] = gather_rows(t, dp, group) if name in sharded else t
         seeds, denominators = _seeds(rank_graph, user_inputs, buffers, user_inputs[0].device)
-        if denominators is not None:  # parallelize refuses this layout; a guard
-            raise NotImplementedError("a pipeline stage cannot feed the loss's normalisers")
-        loss, grads = run_pipeline_step(plan, local, buffers, user_inputs, seeds)
+        loss, grads, others = run_pipeline_step(plan, local, buffers, user_inputs, seeds,
+                                                merge=merge_micro_batches,
+                                                denominators=() if denominators is None else denominators)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
             loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank)
         _save_grads(ctx, _as_parameters(grads, names, params))
-        return loss
+        return _with_others(ctx, loss, others)
 
     backward = staticmethod(_JointStep.backward)
+
+
+def merge_micro_batches(others: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The forward's other outputs over the step's micro-batches (one list per micro-batch):
+    each concatenated on dim 0 (the batch dim); a 0-dim value (a metric, an auxiliary loss)
+    averaged over the micro-batches if it is floating (micro-batches hold equally many
+    samples), summed if it is an integer (a count)."""
+    if len(others) == 1:
+        return list(others[0])
+    merged = []
+    for values in zip(*others):
+        if values[0].dim() == 0:
+            total = torch.stack(values).sum()  # an integer value is a count: it adds up
+            merged.append((total / len(values)).to(values[0].dtype) if values[0].is_floating_point() else total)
+        else:
+            merged.append(torch.cat(values, dim=0))
+    return merged
+
+
+def _with_others(ctx, loss: torch.Tensor, others: list[torch.Tensor]):
+    """The Function's outputs: the loss alone, or (loss, *others) with the others not
+    differentiable (only the loss is)."""
+    if not others:
+        return loss
+    ctx.mark_non_differentiable(*others)
+    return (loss, *others)
 
 
 def _as_parameters(grads: dict[str, torch.Tensor], names: list[str], params) -> list:
@@ -238,8 +269,9 @@ def _seeds(rank_graph: RankGraph, user_inputs: tuple, buffers: dict,
 
 
 def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], buffers: dict,
-             user_inputs: tuple) -> torch.Tensor:
-    """The step's loss, with gradients delivered to ``params`` by ``loss.backward()``.
+             user_inputs: tuple) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The step's loss, with gradients delivered to ``params`` by ``loss.backward()``; where
+    the forward returns more (``rank_graph.other_index``), ``(loss, *others)``.
 
     ``buffers`` (name -> the module's tensor) feed the graph's buffer inputs; those named in
     ``rank_graph.buffer_index`` are updated in place with the step's new values.

@@ -46,6 +46,15 @@ class StageFeeds:
     buffers: Mapping[str, torch.Tensor]  # the module's buffers (updated in place)
     inputs: Sequence[torch.Tensor]  # the micro-batch's user inputs
     seed: torch.Tensor  # the loss's seed gradient (a 0-dim tensor)
+    # the forward's other outputs this stage made (name -> value), written by `run_forward`
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the loss's normalisers over the whole step, / pieces ("global" `LossReduction`), by index
+    denominators: Sequence[torch.Tensor] = ()
+
+
+# a stage's "buffer update" of this name is one of the forward's other outputs (logits beside
+# the loss: `passes.pipeline_split.OUTPUT`), returned by the step, not written to a buffer
+OUTPUT = "autopar.output:"
 
 
 def run_forward(stage: StageGraphs, feeds: StageFeeds, recv: Sequence[torch.Tensor]
@@ -57,7 +66,10 @@ def run_forward(stage: StageGraphs, feeds: StageFeeds, recv: Sequence[torch.Tens
     sends, saved, rest = out[:k], out[k:k + n], out[k + n:]
     loss = rest.pop(0) if stage.has_loss else None
     for name, value in zip(stage.buffers, rest):
-        feeds.buffers[name].copy_(value)
+        if name.startswith(OUTPUT):
+            feeds.outputs[name] = value
+        else:
+            feeds.buffers[name].copy_(value)
     return sends, saved, loss
 
 
@@ -136,6 +148,9 @@ def _feed(gm, inputs: list[StageInput], feeds: StageFeeds, recv=(), saved=(), gr
         elif kind == "zero_tangent":
             val = holder.meta["val"]
             args.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=feeds.seed.device))
+        elif kind == "denominator":  # the same on every micro-batch and stage
+            val = holder.meta["val"]
+            args.append(feeds.denominators[int(source.name)].to(device=feeds.seed.device, dtype=val.dtype))
         else:
             raise ValueError(f"unknown stage input kind {kind!r}")
     return args
@@ -227,8 +242,9 @@ class _StageRunner(nn.Module):
 
     def __init__(self, graphs: StageGraphs, params: Mapping[str, torch.Tensor],
                  buffers: Mapping[str, torch.Tensor], n_inputs: int,
-                 grads: dict[str, torch.Tensor]) -> None:
+                 grads: dict[str, torch.Tensor], denominators: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
+        self.denominators = denominators
         self.graphs = graphs
         self.params = params
         self.buffer_map = buffers
@@ -238,6 +254,7 @@ class _StageRunner(nn.Module):
         self.anchor = torch.zeros((), requires_grad=True)
         self.zero_bubble = graphs.weight_split is not None
         self.pending: list[Callable[[], None]] = []  # weight halves not yet run
+        self.outputs: list[dict[str, torch.Tensor]] = []  # per micro-batch, in forward order
 
     def add(self, parts: Mapping[str, torch.Tensor]) -> None:
         """Add one micro-batch's parameter gradients to the step's sums."""
@@ -248,7 +265,10 @@ class _StageRunner(nn.Module):
         return self.pending.pop()
 
     def feeds(self, inputs: tuple, seed: torch.Tensor) -> StageFeeds:
-        return StageFeeds(self.params, self.buffer_map, inputs, seed.reshape(()))
+        feeds = StageFeeds(self.params, self.buffer_map, inputs, seed.reshape(()),
+                           denominators=self.denominators)
+        self.outputs.append(feeds.outputs)
+        return feeds
 
     def forward(self, *recv: torch.Tensor, **kwargs: torch.Tensor):
         inputs = tuple(kwargs[f"input{i}"] for i in range(self.n_inputs))
@@ -284,23 +304,28 @@ def schedule_class(schedule: str, pp: int, micro_batches: int):
 
 def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
                       buffers: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor],
-                      seeds: Sequence[float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      seeds: Sequence[float], merge: Callable | None = None,
+                      denominators: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
     """One training step of this rank's stages over ``len(seeds)`` micro-batches.
 
     ``inputs``: the rank's user inputs for the whole step (dim 0 split into the micro-batches);
-    ``params``: the local tensors of the rank's parameters. Returns the step's loss (the same on
-    every rank of the pipeline) and the rank's parameter gradients summed over the micro-batches
-    (shared parameters summed over their ranks too).
+    ``params``: the local tensors of the rank's parameters; ``denominators``: the loss's
+    normalisers over the step (a "global" `LossReduction`), read by the stages that divide by
+    them. Returns the step's loss (the same on
+    every rank of the pipeline), the rank's parameter gradients summed over the micro-batches
+    (shared parameters summed over their ranks too), and the forward's other outputs
+    (`pipeline_outputs`, the micro-batches' values joined by ``merge``) on every rank.
     """
     from torch.distributed.pipelining import PipelineStage
 
     m, n_stages = len(seeds), plan.graphs.pp
     device = inputs[0].device
     grads: dict[str, torch.Tensor] = {}
-    stages = []
+    stages, runners = [], []
     for c in plan.stages:
         graphs = plan.graphs.stages[c]
-        runner = _StageRunner(graphs, params, buffers, len(inputs), grads)
+        runner = _StageRunner(graphs, params, buffers, len(inputs), grads, denominators)
+        runners.append(runner)
         stages.append(PipelineStage(runner, c, n_stages, device,
                                     input_args=_channel_example(graphs.forward, graphs.forward_inputs, device),
                                     output_args=_output_example(graphs, device), group=plan.group,
@@ -324,7 +349,39 @@ def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
         g = grads[p] if p in grads else torch.zeros_like(params[p])
         dist.all_reduce(g, group=group)
         grads[p] = g
-    return loss, grads
+    return loss, grads, pipeline_outputs(plan, runners, m, merge, device)
+
+
+def pipeline_outputs(plan: PipelinePlan, runners: list[_StageRunner], m: int, merge: Callable | None,
+                     device) -> list[torch.Tensor]:
+    """The forward's other outputs (in their order), on every rank of the pipeline: each made
+    on one stage, joined over its ``m`` micro-batches by ``merge`` there and broadcast from
+    that stage's rank (shapes from the stage's graph)."""
+    made: dict[str, list[torch.Tensor]] = {}
+    for runner in runners:
+        for micro in runner.outputs:
+            for name, value in micro.items():
+                made.setdefault(name, []).append(value)
+    owner: dict[str, tuple[int, torch.Tensor]] = {}
+    for c, graphs in enumerate(plan.graphs.stages):
+        output = next(n for n in graphs.forward.graph.nodes if n.op == "output")
+        tail = list(output.args[0])[graphs.n_sends + graphs.n_saved + int(graphs.has_loss):]
+        for name, node in zip(graphs.buffers, tail):
+            if name.startswith(OUTPUT):
+                owner[name] = (c % plan.pp, node.meta["val"])
+    result = []
+    for k in range(len(owner)):
+        name = f"{OUTPUT}{k}"
+        rank, val = owner[name]
+        if rank == plan.rank:
+            value = merge([[v] for v in made[name]])[0] if merge else made[name][-1]
+            value = value.contiguous()
+        else:
+            shape = tuple(val.shape) if val.dim() == 0 or merge is None else (val.shape[0] * m, *val.shape[1:])
+            value = torch.empty(shape, dtype=val.dtype, device=device)
+        dist.broadcast(value, group=plan.group, group_src=rank)
+        result.append(value)
+    return result
 
 
 def _weighted_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class GraphInput:
 class GraphOutput:
     """One output of the joint graph.
 
-    kind: "loss"; "grad" (name = the parameter); "buffer" (name = the buffer whose new value
+    kind: "loss"; "grad" (name = the parameter); "other" (name ``output{k}``: the k-th other
+    tensor the forward returns, `OutputTree`); "buffer" (name = the buffer whose new value
     this is: the forward updated it in place, as BatchNorm's running statistics, and the
     functionalised graph returns the updated value instead); or "other".
     """
@@ -34,6 +36,47 @@ class GraphOutput:
     index: int
     kind: str
     name: str
+
+
+@dataclass
+class OutputTree:
+    """The structure of what the forward returns, beside the loss the step trains on.
+
+    The graph returns ``(loss, *others)``: the loss, then every other tensor leaf of the
+    module's output (logits, a dict's or ModelOutput's fields), detached, so only the loss is
+    differentiated. ``spec`` is the output's pytree; ``loss_leaf`` the loss's position among
+    its leaves, ``tensor_leaves`` those of the other tensors (in the graph's order), ``consts``
+    the leaves that are no tensor (None fields, Python numbers), returned as traced.
+    """
+
+    spec: pytree.TreeSpec
+    loss_leaf: int
+    tensor_leaves: list[int]
+    consts: dict[int, object]
+
+    @classmethod
+    def of(cls, out, loss: torch.Tensor) -> OutputTree:
+        """The tree of the forward's output ``out`` whose leaf ``loss`` is the loss."""
+        leaves, spec = pytree.tree_flatten(out)
+        loss_leaf = next(i for i, x in enumerate(leaves) if x is loss)
+        tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i != loss_leaf]
+        consts = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+        return cls(spec, loss_leaf, tensors, consts)
+
+    def flat(self, out) -> tuple[torch.Tensor, ...]:
+        """``(loss, *others detached)`` of an output of this structure (what the graph returns)."""
+        leaves = pytree.tree_leaves(out)
+        return (leaves[self.loss_leaf], *(leaves[i].detach() for i in self.tensor_leaves))
+
+    def build(self, loss, others):
+        """The module's output structure from the loss and the other tensors (graph order)."""
+        leaves = [None] * self.spec.num_leaves
+        leaves[self.loss_leaf] = loss
+        for i, value in zip(self.tensor_leaves, others):
+            leaves[i] = value
+        for i, value in self.consts.items():
+            leaves[i] = value
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
 @dataclass
@@ -54,6 +97,9 @@ class TrainingGraph:
     capture_time_s: float = 0.0
     preflight_time_s: float = 0.0
     capture_note: str = ""  # how a stack of blocks was traced (autopar.capture.repeat)
+    # the forward's output structure; None where it is the loss alone. Its other tensors are
+    # the "other" outputs named output1, output2, ... (in `OutputTree.tensor_leaves` order)
+    output_tree: OutputTree | None = None
 
     @property
     def graph(self) -> torch.fx.Graph:

@@ -15,37 +15,52 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 
-from autopar.capture.graph import GraphInput, GraphOutput, TrainingGraph
+from autopar.capture.graph import GraphInput, GraphOutput, OutputTree, TrainingGraph
 from autopar.capture.repeat import capture_repeated
 from autopar.errors import CaptureError, InputError, locate_user_frame
 
 
-class _LossModule(nn.Module):
-    """Wraps model + loss_fn: forward(*inputs, target) = loss_fn(model(*inputs), target)."""
+class _Step(nn.Module):
+    """The step's module: ``model(*inputs)``, or ``loss_fn(model(*inputs[:-1]), inputs[-1])``;
+    with an `OutputTree`, its output flattened to ``(loss, *other tensors detached)``."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.tree: OutputTree | None = None
 
     def forward(self, *args):
-        return self.loss_fn(self.model(*args[:-1]), args[-1])
+        if self.loss_fn is None:
+            out = self.model(*args)
+        else:
+            out = self.loss_fn(self.model(*args[:-1]), args[-1])
+        return out if self.tree is None else self.tree.flat(out)
 
 
-class _PickLoss(nn.Module):
-    """Wraps a model returning a mapping with a loss (transformers' ModelOutput): its ``.loss``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args):
-        return self.model(*args)["loss"]
+def _output_tree(out, model: nn.Module) -> OutputTree | None:
+    """The structure of the forward's output ``out`` (fake), None for a tensor: the loss is a
+    mapping's ``loss`` field (a transformers ModelOutput called with labels), else the first
+    leaf (``(loss, logits)``)."""
+    if isinstance(out, torch.Tensor):
+        return None
+    loss = _loss_field(out, model)
+    if loss is None:
+        leaves = pytree.tree_leaves(out)
+        loss = leaves[0] if leaves else None
+        if not isinstance(loss, torch.Tensor):
+            raise CaptureError(
+                f"{type(model).__name__} returned a {type(out).__name__} whose first value is "
+                f"{type(loss).__name__}, not the loss.\n  fix: return the loss first, e.g. "
+                "(loss, logits), or a dict with a 'loss' key")
+    return OutputTree.of(out, loss)
 
 
 def _loss_field(out, model: nn.Module) -> torch.Tensor | None:
@@ -90,25 +105,34 @@ def capture(
 
     note = ""
     if repeat_blocks and not via_export:
+        traced: list[TrainingGraph] = []
+
+        def trace(*args, **kwargs) -> TrainingGraph:
+            traced.append(_trace_whole(*args, **kwargs))
+            return traced[-1]
+
         try:
-            graph, note = capture_repeated(model, example_inputs, _trace_whole, loss_fn=loss_fn, dtype=dtype)
+            graph, note = capture_repeated(model, example_inputs, trace, loss_fn=loss_fn, dtype=dtype)
         except (CaptureError, InputError):
             graph = None  # the full trace below reports it with the model's own names
         if graph is not None:
+            # the shortened stack returns what the whole one does: an output that grows with the
+            # depth holds a middle block's value, which the repeat refuses
+            graph.output_tree = traced[-1].output_tree
             return graph
 
     example_inputs = tuple(example_inputs)
     validate_inputs(model, example_inputs, loss_fn)
-    root = _LossModule(model, loss_fn) if loss_fn is not None else model
-    module_names = {id(m): name for name, m in root.named_modules()}
+    root = _Step(model, loss_fn)
+    module_names = {id(m): name for name, m in (root if loss_fn is not None else model).named_modules()}
 
     t0 = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with _tracing_flags(), _fake_parameters(root, fake_mode, dtype) as groups:
         fake_inputs = tuple(_to_fake(x, fake_mode, dtype) for x in example_inputs)
         out = _preflight(root, fake_inputs, fake_mode, module_names)
-        if _loss_field(out, model) is not None:
-            root = _PickLoss(root)  # a transformers ModelOutput: train on its .loss
+        tree = _output_tree(out, model)
+        root.tree = tree  # with a tree, the graph returns (loss, *the other tensors)
         t_preflight = time.perf_counter() - t0
         try:
             with _track_modules({id(m): n for n, m in model.named_modules()}):
@@ -148,7 +172,50 @@ def capture(
         capture_time_s=time.perf_counter() - t0,
         preflight_time_s=t_preflight,
         capture_note=note,
+        output_tree=tree,
     )
+
+
+def capture_with_sources(model: nn.Module, example_inputs: Sequence[torch.Tensor],
+                         loss_fn: Callable | None = None) -> TrainingGraph:
+    """`capture` of the whole model (no repeated blocks) with each node's user source lines
+    in ``meta["stack_trace"]``: the frames from the model's first ``forward`` on, torch's and
+    autopar's own left out. The everyday capture records none (formatting a traceback per
+    node costs time on large models); an error that names the user's line traces again."""
+    from torch.fx.experimental import proxy_tensor
+
+    class _Recording(proxy_tensor.PythonKeyTracer):
+        # the joint export builds its tracer with stack traces off and sets the flag per
+        # instance; these properties keep them on for this capture only
+        record_stack_traces = property(lambda self: True, lambda self, value: None)
+        _record_forward_stack_traces_only = property(lambda self: False, lambda self, value: None)
+
+    saved = proxy_tensor.PythonKeyTracer
+    proxy_tensor.PythonKeyTracer = _Recording
+    try:
+        graph = capture(model, example_inputs, loss_fn=loss_fn, repeat_blocks=False)
+    finally:
+        proxy_tensor.PythonKeyTracer = saved
+    own = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+    for node in graph.gm.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace:
+            node.meta["stack_trace"] = _user_frames(trace, own)
+    return graph
+
+
+def _user_frames(trace: str, package_dirs: Sequence[str]) -> str:
+    """A formatted stack trace without the frames of files under ``package_dirs``."""
+    blocks, current = [], []
+    for line in trace.splitlines():
+        if line.lstrip().startswith("File ") and current:
+            blocks.append(current)
+            current = []
+        current.append(line)
+    if current:
+        blocks.append(current)
+    kept = [b for b in blocks if not any(d in b[0] for d in package_dirs)]
+    return "\n".join(line for b in kept for line in b)
 
 
 def _trace_whole(model: nn.Module, example_inputs, loss_fn=None, dtype=None) -> TrainingGraph:

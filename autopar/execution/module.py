@@ -19,7 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
 
+from autopar.capture.graph import OutputTree
 from autopar.errors import InputError
 from autopar.execution.evaluation import EvalGraphs, evaluate, refuse_pipeline
 from autopar.planning.plan import Plan
@@ -30,8 +32,11 @@ from runtime.pipeline import PipelinePlan
 class ParallelModule(nn.Module):
     """The model, parallelised: call it like the original; its parameters are DTensors.
 
-    Training (``pm.train()``, the default): ``pm(*batch)`` runs the plan's step and returns the
-    loss; ``loss.backward()`` fills ``p.grad`` of ``pm.parameters()``. Evaluation
+    Training (``pm.train()``, the default): ``pm(*batch)`` runs the plan's step and returns
+    what the module returns, in its structure (the loss; ``(loss, logits)``; a dict or a
+    ModelOutput): the step's loss in the loss's place, the other tensors those of this rank's
+    slice of the batch, as DDP returns them (see docs/runtime.md, "Outputs"), not
+    differentiated; ``loss.backward()`` fills ``p.grad`` of ``pm.parameters()``. Evaluation
     (``pm.eval()``, with or without ``torch.no_grad()``): the module's eval-mode forward on the
     DTensor weights, its output whole on every rank and in the module's own structure; no
     buffer is updated (BatchNorm reads its running statistics), dropout is off.
@@ -58,7 +63,8 @@ class ParallelModule(nn.Module):
     def __init__(self, module: nn.Module, rank_graph: RankGraph, plan: Plan, mesh: DeviceMesh,
                  input_shapes: list[tuple[int, ...]], canonical: list[str],
                  local_batch: bool = False, unloaded: set[str] | None = None,
-                 original: nn.Module | None = None, loss_fn: Callable | None = None) -> None:
+                 original: nn.Module | None = None, loss_fn: Callable | None = None,
+                 output_tree: OutputTree | None = None) -> None:
         super().__init__()
         # adopt the copy's children, weights and buffers: names stay those of the original
         self._modules.update(module._modules)
@@ -74,6 +80,7 @@ class ParallelModule(nn.Module):
         # the copy itself, unregistered (its children are ours): its forward is the model's
         self.__dict__["_source"] = module
         self.__dict__["_loss_fn"] = loss_fn
+        self.__dict__["_output_tree"] = output_tree
         self._eval_graphs = EvalGraphs()
         self._calls = 0
         if original is not None:
@@ -117,7 +124,8 @@ class ParallelModule(nn.Module):
         self._unloaded -= set(state_dict)
 
     def forward(self, *batch: torch.Tensor, **named: torch.Tensor):
-        """The loss of the whole (global) batch; ``loss.backward()`` fills the gradients.
+        """The loss of the whole (global) batch, in the module's output structure beside its
+        other outputs (this rank's slice's); ``loss.backward()`` fills the gradients.
 
         With ``local_batch=True`` at `parallelize`, ``batch`` is this rank's data-parallel
         slice (ranks of one TP group pass the same slice). Keyword arguments are bound to the
@@ -155,7 +163,11 @@ class ParallelModule(nn.Module):
         buffers = dict(self.named_buffers())
         if self._tp_rng is not None:
             _keep_tp_rng_in_step(*self._tp_rng, local[0].device)
-        return run_step(self._rank_graph, params, buffers, local)
+        result = run_step(self._rank_graph, params, buffers, local)
+        if self._output_tree is None:
+            return result
+        loss, *others = result if isinstance(result, tuple) else (result,)
+        return self._output_tree.build(loss, others)
 
     def profile_step(self, *batch: torch.Tensor, path: str = "step.json") -> dict[str, float]:
         """One forward + backward under torch.profiler: writes its Chrome trace to ``path``,
@@ -178,7 +190,7 @@ class ParallelModule(nn.Module):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             with record_function("autopar forward"):
-                loss = self(*batch)
+                loss = self._loss_of(self(*batch))
             with record_function("autopar backward"):
                 loss.backward()
             total = time.perf_counter() - t0
@@ -189,6 +201,12 @@ class ParallelModule(nn.Module):
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return {"compute_s": total - comm, "communication_s": comm, "total_s": total,
                 "loss": float(value.detach())}
+
+    def _loss_of(self, output) -> torch.Tensor:
+        """The loss in an output of the module's structure."""
+        if self._output_tree is None:
+            return output
+        return pytree.tree_leaves(output)[self._output_tree.loss_leaf]
 
     def _bind(self, batch: tuple, named: dict) -> tuple:
         """Positional inputs, in the captured order, from keyword arguments bound to the

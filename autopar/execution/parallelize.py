@@ -55,12 +55,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.analysis.graph import analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
-from autopar.capture.joint import capture
+from autopar.capture.joint import capture, capture_with_sources
 from autopar.errors import AutoparError, InputError
 from autopar.execution.module import ParallelModule, _dp_rank
 from autopar.execution.placement import _to_dtensors
@@ -106,16 +106,19 @@ class LossReductionError(InputError):
 LOSS_REDUCTIONS = ("exact", "mean_per_rank")
 
 
-def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> LossReduction | None:
+def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str,
+                    sources: Callable[[], fx.GraphModule] | None = None) -> LossReduction | None:
     """How the loss splits over the layout's pieces of the batch; None where nothing splits it
     (dp = 1 and grad_accum = 1) or the user accepted per-piece means ("mean_per_rank").
-    Raises `LossReductionError` for a loss not proven linear in the batch, and
-    `UnsupportedLayoutError` where its normalisers cannot be fed (TP, pipelines)."""
+    Raises `LossReductionError` for a loss not proven linear in the batch, naming the user's
+    source line of the op (``sources``: the step traced again with them)."""
     if mode == "mean_per_rank" or (lay.dp == 1 and lay.grad_accum == 1):
         return None
     reduction = analyze_loss(gm, signature)
     if reduction.mode == "unproven":
         op = reduction.node.target if reduction.node is not None else "the loss"
+        if reduction.node is not None and sources is not None:
+            _name_source(reduction.node, gm, sources)
         raise LossReductionError(
             f"layout {lay.short()} splits the batch over dp={lay.dp} x grad_accum={lay.grad_accum} "
             f"pieces, but the loss's reduction over the batch is not provably a linear combination "
@@ -125,13 +128,23 @@ def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str) -> Lo
             "computed from the inputs only; or pass autopar.parallelize(..., "
             "loss_reduction=\"mean_per_rank\") to accept DDP's per-rank averaging knowingly; or use "
             "a layout with dp=1 and grad_accum=1")
-    if reduction.mode == "global" and (lay.tp > 1 or lay.pp > 1):
-        raise UnsupportedLayoutError(
-            f"layout {lay.short()}: the loss divides by {len(reduction.denominators)} different batch "
-            "sums (or mixes a ratio with a mean); feeding their step-wide values is not executed under "
-            "tensor parallelism or pipelines yet: use tp=1 and pp=1, a loss with one normaliser "
-            "(a plain token mean), or loss_reduction=\"mean_per_rank\"")
     return for_layout(reduction, lay.tp, lay.pp)
+
+
+def _name_source(node: fx.Node, gm: fx.GraphModule, sources: Callable[[], fx.GraphModule]) -> None:
+    """Copy to ``node`` the source lines of its counterpart in the graph ``sources()`` traces
+    with them: the node of the same op at the same place counted from the graph's end (the
+    loss comes after any repeated blocks, so the two traces agree there)."""
+    def same_op(g):
+        return [n for n in g.graph.nodes if n.op == "call_function" and n.target is node.target]
+
+    try:
+        place = same_op(gm)[::-1].index(node)
+        twin = same_op(sources())[::-1][place]
+    except Exception:  # (IndexError, ValueError, a capture error): the module name stays
+        return
+    if twin.meta.get("stack_trace"):
+        node.meta["stack_trace"] = twin.meta["stack_trace"]
 
 
 def parallelize(
@@ -181,7 +194,8 @@ def parallelize(
                            {o.name: o.index for o in graph.outputs if o.kind == "grad"},
                            next(o.index for o in graph.outputs if o.kind == "loss"),
                            {o.name: o.index for o in graph.outputs if o.kind == "buffer"})
-    reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction)
+    reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction,
+                                lambda: capture_with_sources(model, micro_inputs, loss_fn).gm)
     gm, shapes = graph.gm, dict(graph.param_shapes)
     decisions = chosen.decisions
     # each node's block and the heavy groups a partial choice names, read before any pass
@@ -226,7 +240,7 @@ def parallelize(
     inputs = list(signature.inputs)
     pipeline, accumulate_gm = None, None
     if lay.pp > 1:  # after every other pass: the stages run the rewritten graph's nodes
-        pipeline = _pipeline(gm, signature, captured_stage, decisions, mesh, lay.tp > 1)
+        pipeline = _pipeline(gm, signature, captured_stage, decisions, mesh, lay.tp > 1, _other_outputs(graph))
     elif lay.dp > 1:
         accumulate_gm = _data_parallel(gm, signature, shapes, decisions, mesh)
         inputs += [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
@@ -243,6 +257,7 @@ def parallelize(
         dp=lay.dp,
         dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
         pipeline=pipeline,
+        other_index=_other_outputs(graph),
     )
     # the user's model stays as it was; the parallel module owns a copy with DTensor weights
     # (under a pipeline only those of this rank's stage)
@@ -254,7 +269,17 @@ def parallelize(
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in signature.placeholder_of("param") if held is None or p in held]
     return ParallelModule(module, rank_graph, chosen, mesh, shapes_in, canonical,
-                          local_batch=local_batch, unloaded=unloaded, original=model, loss_fn=loss_fn)
+                          local_batch=local_batch, unloaded=unloaded, original=model, loss_fn=loss_fn,
+                          output_tree=graph.output_tree)
+
+
+def _other_outputs(graph) -> list[int]:
+    """Output indices of the forward's tensors other than the loss, in `OutputTree` order
+    (the capture names them output1, output2, ...)."""
+    if graph.output_tree is None:
+        return []
+    index = {o.name: o.index for o in graph.outputs if o.kind == "other"}
+    return [index[f"output{k + 1}"] for k in range(len(graph.output_tree.tensor_leaves))]
 
 
 def _check_call(model: nn.Module, mesh, example_inputs, loss_reduction: str) -> tuple[int, str]:
@@ -368,7 +393,7 @@ def _data_parallel(gm, signature: GraphSignature, shapes: dict, decisions: PlanD
 
 
 def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], decisions: PlanDecisions,
-              mesh: DeviceMesh, retraced: bool) -> PipelinePlan:
+              mesh: DeviceMesh, retraced: bool, others: Sequence[int] = ()) -> PipelinePlan:
     """Cut this rank's graph into the plan's stages (`passes.pipeline_split`) and set up the
     groups the step talks over: the pipeline's ranks, the stages sharing a parameter.
 
@@ -399,7 +424,7 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], dec
             f"rounds of pp={lay.pp} and needs grad_accum ({m}) to be a multiple of the number of "
             f"rounds ({rounds}): use grad_accum <= pp or a multiple of pp")
     try:  # one stage per entry of the plan's stages (v per rank under interleaving)
-        split = split_pipeline(gm, signature, node_stage, len(decisions.stages))
+        split = split_pipeline(gm, signature, node_stage, len(decisions.stages), others)
     except PipelineSplitError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: the stages {decisions.stages} cannot be "
                                      f"run: {exc}") from exc
