@@ -119,8 +119,9 @@ def data_only(gm: fx.GraphModule, signature: GraphSignature) -> set[str]:
 def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                            shapes: Sequence[tuple[int, ...]], cp: int) -> None:
     """Raise `ContextParallelError` where ``gm`` cannot run with its sequence over ``cp`` ranks:
-    no input with a sequence dimension, a sequence not divisible into cp equal blocks, or an
-    attention the ring does not compute (dropout, a mask computed from activations, another
+    no input with a sequence dimension, a sequence not divisible into cp equal blocks, a
+    random op (its draws on a rank's block would not be one device's), or an attention the
+    ring does not compute (dropout, a mask computed from activations, another
     device's kernel)."""
     seq_inputs = sequence_inputs(signature, shapes)
     if not seq_inputs:
@@ -134,6 +135,11 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
             f"sequence length that is a multiple of {cp}, or another cp")
     data = data_only(gm, signature)
     for node in gm.graph.nodes:
+        if _draws_random(node):
+            raise ContextParallelError(
+                f"cp={cp}: random op {node.target} ({node}) {_where(node)} would draw on each CP rank's "
+                "block of the sequence, not as one device draws over the whole (the generator is not "
+                "kept in step over cp); use dropout 0 / no random ops in the training step, or cp=1")
         if node.target in _OTHER_ATTENTION:
             raise ContextParallelError(
                 f"cp={cp}: attention op {node.target} ({node}) has no ring implementation yet (the ring "
@@ -148,6 +154,19 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                 f"cp={cp}: attention {node} {_where(node)} has a mask computed from activations ({mask}), "
                 "which ring attention cannot slice per block (a mask of the data only, such as causal "
                 "or padding masks, is); use is_causal=True or a mask made from the inputs, or cp=1")
+
+
+def _draws_random(node: fx.Node) -> bool:
+    """An op that draws from the generator (dropout with p > 0 in training, rand*, bernoulli)."""
+    tags = getattr(node.target, "tags", ())
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    if node.target in (ATTENTION, ATTENTION_BACKWARD) or node.target in _OTHER_ATTENTION:
+        return False  # attention dropout: refused on its own, with its own fix
+    if node.target is aten.native_dropout.default:  # (input, p, train): p = 0 or eval draws nothing
+        p, train = node.args[1], node.args[2] if len(node.args) > 2 else None
+        return bool(p) and train is not False
+    return True
 
 
 def _ring_ready(node: fx.Node) -> bool:

@@ -2,7 +2,7 @@
 of a fake cp=2 world: cross-entropy over [b, V, s] logits (nll_loss2d) computed as the exact
 token mean, per-token losses kept split, other mean-reduced losses refused, attention over a
 length the ring cannot split refused by name, a constant buffer's mask run on the ring, and a
-returned logits tensor not counted as a sequence gather."""
+returned logits tensor not counted as a sequence gather; random ops refused."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ class _Lm(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + y.transpose(1, 2).reshape(b, s, h)
         logits = self.head(x[:, 1:] if self.mode == "prefix" else x)
+        if self.mode.startswith("dropout"):
+            logits = F.dropout(logits, 0.0 if self.mode == "dropout0" else 0.1, training=True)
         if self.mode == "ce3d":
             return F.cross_entropy(logits.transpose(1, 2), labels)
         if self.mode == "none":
@@ -121,3 +123,10 @@ def test_returned_logits_are_not_a_sequence_gather():
     assert out.gathered == []
     notes = [n.meta.get("autopar", "") for n in out.gm.graph.nodes if "all_gather" in str(n.target)]
     assert any("forward output returned whole" in w for w in notes), notes
+
+
+def test_random_ops_are_refused_and_dropout_zero_runs():
+    with pytest.raises(ContextParallelError, match=r"random op .*native_dropout.*dropout 0.*or cp=1"):
+        _traced("dropout")
+    out, _ = _traced("dropout0")
+    assert out.gathered == [] and out.ring_attention == 1
