@@ -228,7 +228,9 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
 def _cp_words(text: str) -> str:
     """The TP interpreter's words for its redistributions, said of the cp axis."""
     return text.replace("TP: ", "CP: ").replace("TP ranks", "CP ranks").replace("use tp=1", "use cp=1") \
-        .replace("TP placements", "CP placements")
+        .replace("TP placements", "CP placements").replace("use sp=0, or cp=1", "use cp=1") \
+        .replace("or keep the weights that feed this op replicated",
+                 "or compute this op on values that do not depend on the split sequence")
 
 
 class _Runner:

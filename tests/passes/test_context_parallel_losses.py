@@ -130,3 +130,13 @@ def test_random_ops_are_refused_and_dropout_zero_runs():
         _traced("dropout")
     out, _ = _traced("dropout0")
     assert out.gathered == [] and out.ring_attention == 1
+
+
+def test_failure_text_names_the_cp_fix():
+    from passes.context_parallel import _cp_words
+
+    text = _cp_words("TP: cumsum (cumsum) in the forward of m cannot run on its inputs' placements "
+                     "['S(1)'] (RuntimeError: x); fix: use tp=1 for this model, or keep the weights "
+                     "that feed this op replicated")
+    assert text.startswith("CP: ") and "use cp=1" in text
+    assert "tp=" not in text and "weights" not in text
