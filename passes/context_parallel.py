@@ -27,10 +27,12 @@ block; the ops
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
 
-Cross-entropy's mean over tokens is computed as sum_r sum_{t in r} -w_t log p_t / sum_r
-sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means, which
-is exact only when every rank has the same number of counted tokens (not so with ignored
-labels or class weights).
+Cross-entropy's mean over tokens (nll_loss over [tokens, C], nll_loss2d over [N, C, d1, ...]:
+every dim but the class dim 1 is tokens) is computed as sum_r sum_{t in r} -w_t log p_t /
+sum_r sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means,
+which is exact only when every rank has the same number of counted tokens (not so with ignored
+labels or class weights). Per-token losses (reduction none) stay on the rank's tokens; any
+other mean-reduced loss op over a sequence-split input is refused.
 """
 
 from __future__ import annotations
