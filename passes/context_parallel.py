@@ -27,14 +27,17 @@ block; the ops
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
 
-Cross-entropy's mean over tokens is computed as sum_r sum_{t in r} -w_t log p_t / sum_r
-sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means, which
-is exact only when every rank has the same number of counted tokens (not so with ignored
-labels or class weights).
+Cross-entropy's mean over tokens (nll_loss over [tokens, C], nll_loss2d over [N, C, d1, ...]:
+every dim but the class dim 1 is tokens) is computed as sum_r sum_{t in r} -w_t log p_t /
+sum_r sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means,
+which is exact only when every rank has the same number of counted tokens (not so with ignored
+labels or class weights). Per-token losses (reduction none) stay on the rank's tokens; any
+other mean-reduced loss op over a sequence-split input is refused.
 """
 
 from __future__ import annotations
 
+import re
 from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,9 +69,15 @@ ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.d
 _OTHER_ATTENTION = {aten._scaled_dot_product_flash_attention.default,
                     aten._scaled_dot_product_efficient_attention.default,
                     aten._scaled_dot_product_cudnn_attention.default}
+_NLL_NONE = 0
 _NLL_MEAN = 1
 _NLL_SUM = 2
+# cross-entropy's nll: [tokens, C] and [N, C, d1, ...] (every dim but the class dim 1 is tokens)
+_NLL_FORWARD = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default}
+_NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
 _GATHERS = ("all_gather", "all_to_all")
+# the TP interpreter's words for gathering a step output (not a gradient, not the loss) whole
+_OUTPUT_REASON = re.compile(r"CP: redistribute output \d+ to its placement")
 
 
 class ContextParallelError(ValueError):
@@ -98,9 +107,11 @@ def sequence_inputs(signature: GraphSignature, shapes: Sequence[tuple[int, ...]]
 def data_only(gm: fx.GraphModule, signature: GraphSignature) -> set[str]:
     """Nodes computed from the step's inputs and constants only (shifted labels, masks,
     position ids): no parameter, no activation. Gathering one over the sequence costs no
-    parallelism (every rank computes it whole, as one device does)."""
+    parallelism (every rank computes it whole, as one device does). A buffer the step never
+    writes (not in ``signature.buffer_index``: a constant causal mask, a RoPE table) is data."""
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out = {n.name for n, (kind, _) in zip(holders, signature.inputs) if kind == "input"}
+    out = {n.name for n, (kind, name) in zip(holders, signature.inputs)
+           if kind == "input" or (kind == "buffer" and name not in signature.buffer_index)}
     for node in gm.graph.nodes:
         if node.op in ("call_function", "get_attr") and all(a.name in out for a in node.all_input_nodes):
             out.add(node.name)
@@ -110,8 +121,9 @@ def data_only(gm: fx.GraphModule, signature: GraphSignature) -> set[str]:
 def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                            shapes: Sequence[tuple[int, ...]], cp: int) -> None:
     """Raise `ContextParallelError` where ``gm`` cannot run with its sequence over ``cp`` ranks:
-    no input with a sequence dimension, a sequence not divisible into cp equal blocks, or an
-    attention the ring does not compute (dropout, a mask computed from activations, another
+    no input with a sequence dimension, a sequence not divisible into cp equal blocks, a
+    random op (its draws on a rank's block would not be one device's), or an attention the
+    ring does not compute (dropout, a mask computed from activations, another
     device's kernel)."""
     seq_inputs = sequence_inputs(signature, shapes)
     if not seq_inputs:
@@ -125,6 +137,11 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
             f"sequence length that is a multiple of {cp}, or another cp")
     data = data_only(gm, signature)
     for node in gm.graph.nodes:
+        if _draws_random(node):
+            raise ContextParallelError(
+                f"cp={cp}: random op {node.target} ({node}) {_where(node)} would draw on each CP rank's "
+                "block of the sequence, not as one device draws over the whole (the generator is not "
+                "kept in step over cp); use dropout 0 / no random ops in the training step, or cp=1")
         if node.target in _OTHER_ATTENTION:
             raise ContextParallelError(
                 f"cp={cp}: attention op {node.target} ({node}) has no ring implementation yet (the ring "
@@ -139,6 +156,19 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                 f"cp={cp}: attention {node} {_where(node)} has a mask computed from activations ({mask}), "
                 "which ring attention cannot slice per block (a mask of the data only, such as causal "
                 "or padding masks, is); use is_causal=True or a mask made from the inputs, or cp=1")
+
+
+def _draws_random(node: fx.Node) -> bool:
+    """An op that draws from the generator (dropout with p > 0 in training, rand*, bernoulli)."""
+    tags = getattr(node.target, "tags", ())
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    if node.target in (ATTENTION, ATTENTION_BACKWARD) or node.target in _OTHER_ATTENTION:
+        return False  # attention dropout: refused on its own, with its own fix
+    if node.target is aten.native_dropout.default:  # (input, p, train): p = 0 or eval draws nothing
+        p, train = node.args[1], node.args[2] if len(node.args) > 2 else None
+        return bool(p) and train is not False
+    return True
 
 
 def _ring_ready(node: fx.Node) -> bool:
@@ -175,6 +205,8 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
             traced = make_fx(runner.run, tracing_mode="fake")(*examples)
     except TensorParallelError as exc:
         raise ContextParallelError(_cp_words(str(exc))) from exc
+    except ContextParallelError:
+        raise
     gathered = []
     data = data_only(gm, signature)
     for node in traced.graph.nodes:
@@ -186,6 +218,8 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
             source = (node.meta.get("from_node") or [None])[0]
             if getattr(source, "name", None) in data:  # labels shifted, masks: whole, as one device
                 node.meta["autopar"] += " (a value of the data only: computed whole on every CP rank)"
+            elif _OUTPUT_REASON.match(node.meta["autopar"]):  # logits returned: whole, not a compute gather
+                node.meta["autopar"] += " (a forward output returned whole, as one device returns it)"
             else:
                 gathered.append((str(node.target), node.meta["autopar"]))
     traced.graph.eliminate_dead_code()
@@ -196,7 +230,9 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
 def _cp_words(text: str) -> str:
     """The TP interpreter's words for its redistributions, said of the cp axis."""
     return text.replace("TP: ", "CP: ").replace("TP ranks", "CP ranks").replace("use tp=1", "use cp=1") \
-        .replace("TP placements", "CP placements")
+        .replace("TP placements", "CP placements").replace("use sp=0, or cp=1", "use cp=1") \
+        .replace("or keep the weights that feed this op replicated",
+                 "or compute this op on values that do not depend on the split sequence")
 
 
 class _Runner:
@@ -245,7 +281,7 @@ class _Runner:
                 with fx_traceback.set_current_meta(node):
                     try:
                         env[node] = self._call(node, env)
-                    except TensorParallelError:
+                    except (TensorParallelError, ContextParallelError):
                         raise
                     except Exception as exc:
                         raise TensorParallelError(_failure(node, env, exc, False)) from exc
@@ -262,10 +298,11 @@ class _Runner:
             return self._ring_forward(node, env)
         if node.target is ATTENTION_BACKWARD and _ring_ready(node):
             return self._ring_backward(node, env)
-        if node.target is aten.nll_loss_forward.default and isinstance(env[node.args[0]], DTensor):
+        if node.target in _NLL_FORWARD and isinstance(env[node.args[0]], DTensor):
             return self._nll_forward(node, env)
-        if node.target is aten.nll_loss_backward.default and isinstance(env[node.args[1]], DTensor):
+        if node.target in _NLL_BACKWARD and isinstance(env[node.args[1]], DTensor):
             return self._nll_backward(node, env)
+        _refuse_mean_loss(node, env, self.mesh.size())
         return self._tp_call(node, env)
 
     def _sequence(self, x, arg: fx.Node, dim: int, op: fx.Node) -> torch.Tensor:
@@ -297,6 +334,7 @@ class _Runner:
 
     def _ring_forward(self, node: fx.Node, env):
         """(O, lse) of the whole sequence's attention, this rank's block of the queries."""
+        _check_ring_lengths(node, [env[a].shape for a in node.args[:3]], self.mesh.size())
         q, k, v = (self._sequence(env[a], a, 2, node) for a in node.args[:3])
         causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
         scale = node.kwargs.get("scale")
@@ -328,7 +366,11 @@ class _Runner:
         gradient -w_t g / W depends on its own token and the all-reduced W only."""
         args = list(fx.node.map_arg(node.args, lambda a: env[a]))
         grad, x, target, weight, reduction, ignore, total = args
-        out = node.target(_local(grad), x.to_local(), _local(target, x), _local(weight), reduction, ignore,
+        if not _token_sharded(x):
+            x = x.redistribute(self.mesh, [Replicate()])
+        want = _target_placements(x)
+        grad_l = _local(grad, want) if reduction == _NLL_NONE else _local(grad)
+        out = node.target(grad_l, x.to_local(), _local(target, want), _local(weight), reduction, ignore,
                           _local(total))
         return DTensor(out, x._spec, requires_grad=False)
 
@@ -337,21 +379,38 @@ class _Runner:
         tokens, all-reduced; the mean their ratio (DTensor would average the ranks' means)."""
         args = list(fx.node.map_arg(node.args, lambda a: env[a]))
         x, target, weight, reduction, ignore = (args + [None] * 5)[:5]
-        if not _token_sharded(x) or reduction not in (_NLL_MEAN, _NLL_SUM):  # whole: as one device
+        if not _token_sharded(x):  # whole: as one device
             x = x.redistribute(self.mesh, [Replicate()])
-            out = node.target(x.to_local(), _local(target, x), _local(weight), *args[3:])
+            out = node.target(x.to_local(), _local(target), _local(weight), *args[3:])
             return tuple(_placed(o, self.mesh, Replicate(), o.shape) for o in out)
-        x_l = x.to_local()
-        target = target.redistribute(self.mesh, list(x.placements)) if isinstance(target, DTensor) else target
-        t_l = target.to_local() if isinstance(target, DTensor) else target
+        want = _target_placements(x)
+        x_l, t_l = x.to_local(), _local(target, want)
         w_l = weight.full_tensor() if isinstance(weight, DTensor) else weight
-        loss, total = aten.nll_loss_forward(x_l, t_l, w_l, _NLL_SUM, ignore)
+        if reduction == _NLL_NONE:  # per-token losses: the rank's tokens, placed as the target's
+            out, total = node.target(x_l, t_l, w_l, _NLL_NONE, ignore)
+            whole = tuple(target.shape) if isinstance(target, DTensor) else tuple(node.meta["val"][0].shape)
+            return (DTensor.from_local(out, self.mesh, want, run_check=False, shape=torch.Size(whole),
+                                       stride=node.meta["val"][0].stride()),
+                    _placed(total, self.mesh, Replicate(), total.shape))
+        loss, total = node.target(x_l, t_l, w_l, _NLL_SUM, ignore)
         loss, total = (_placed(t, self.mesh, Partial(), ()) for t in (loss, total))
         with _why(f"CP: all-reduce the sum and the weight of the loss's tokens over the CP ranks ({node})"):
             loss, total = loss.redistribute(self.mesh, [Replicate()]), total.redistribute(self.mesh, [Replicate()])
         if reduction == _NLL_MEAN:
             loss = loss / total
         return loss, total
+
+
+def _check_ring_lengths(node: fx.Node, shapes, cp: int) -> None:
+    """The ring splits Q and K/V into the same cp equal blocks: their sequence lengths (dim 2
+    of [b, h, s, d]) must agree and divide by cp (a token prepended inside the model does not)."""
+    lengths = [s[2] for s in shapes]
+    if len(set(lengths)) != 1 or lengths[0] % cp:
+        raise ContextParallelError(
+            f"cp={cp}: attention {node} {_where(node)} runs over sequences of lengths q={lengths[0]}, "
+            f"k={lengths[1]}, v={lengths[2]}; ring attention needs Q and K/V of one length divisible "
+            f"by cp={cp} (a token prepended or a cache appended inside the model changes it); make the "
+            "attention's length a multiple of cp (e.g. shorten the input by the prepended tokens), or cp=1")
 
 
 def _place_like(local: torch.Tensor, mesh: DeviceMesh, like: torch.Tensor) -> DTensor:
@@ -365,18 +424,55 @@ def _place_like(local: torch.Tensor, mesh: DeviceMesh, like: torch.Tensor) -> DT
     return DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=like.shape, stride=like.stride())
 
 
-def _local(x, like: DTensor | None = None):
-    """``x``'s local tensor: a replicated DTensor's whole value, else (``like`` given) its
-    block placed as ``like`` is."""
+def _local(x, like: DTensor | list | None = None):
+    """``x``'s local tensor: a replicated DTensor's whole value, else (``like`` given: a
+    DTensor or placements) its block placed as ``like`` is."""
     if not isinstance(x, DTensor):
         return x
-    want = list(like.placements) if like is not None else [Replicate()]
+    if isinstance(like, DTensor):
+        like = list(like.placements)
+    want = like if like is not None else [Replicate()]
     if list(x.placements) != want:
         x = x.redistribute(x.device_mesh, want)
     return x.to_local()
 
 
 def _token_sharded(x) -> bool:
-    """Log-probabilities [tokens, classes] (or [classes]) split over their tokens."""
-    return isinstance(x, DTensor) and x.ndim == 2 and any(
-        getattr(p, "dim", None) == 0 for p in x.placements if not p.is_replicate())
+    """Log-probabilities [tokens, classes] or [N, classes, d1, ...] split over a token dim
+    (any dim but the class dim 1), on one mesh axis."""
+    if not isinstance(x, DTensor) or x.ndim < 2 or len(x.placements) != 1:
+        return False
+    p = x.placements[0]
+    d = getattr(p, "dim", None)  # Shard, or _StridedShard (tokens flattened from [b, s])
+    if d is None or p.is_replicate() or p.is_partial():
+        return False
+    return d == 0 or (d >= 2 and type(p) is Shard)
+
+
+def _target_placements(x: DTensor) -> list:
+    """The target's placements matching log-probabilities ``x``: the target has x's dims
+    without the class dim 1, so x's Shard(d) is the target's Shard(d) for d = 0, Shard(d - 1)
+    for d >= 2; x whole: the target whole."""
+    if not _token_sharded(x):
+        return [Replicate()]
+    p = x.placements[0]
+    return [p if p.dim == 0 else Shard(p.dim - 1)]
+
+
+def _refuse_mean_loss(node: fx.Node, env, cp: int) -> None:
+    """A mean-reduced loss op other than nll over a sequence-split input: DTensor would average
+    the ranks' local means, which is not the mean over the step's tokens when they count
+    differently. Refused by name (cross-entropy's nll is computed exactly)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not any(a.name == "reduction" for a in schema.arguments):
+        return
+    names = [a.name for a in schema.arguments]
+    i = names.index("reduction")
+    reduction = node.args[i] if len(node.args) > i else node.kwargs.get("reduction", _NLL_MEAN)
+    split = any(isinstance(env.get(a), DTensor) and not all(p.is_replicate() for p in env[a].placements)
+                for a in node.all_input_nodes)
+    if reduction == _NLL_MEAN and split:
+        raise ContextParallelError(
+            f"cp={cp}: loss op {node.target} ({node}) {_where(node)} takes a mean over a sequence split "
+            f"over the CP ranks, which averaging the ranks' means does not give exactly; compute the "
+            "loss with reduction='sum' or 'none' and divide by the token count, use cross-entropy, or cp=1")

@@ -108,7 +108,10 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None,
                              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) of one block's share, given the *merged* O and lse of q's rows."""
+    """(dQ, dK, dV) of one block's share, given the *merged* O and lse of q's rows. A row
+    masked in every block (merged lse = -inf, O = 0) has P = 0: its lse is taken as +inf, so
+    exp(S - lse) = 0 for every S (as one device, whose such rows give O = 0, zero gradients)."""
+    lse = torch.where(torch.isneginf(lse), float("inf"), lse)
     if q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
@@ -140,7 +143,11 @@ def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     if out is None:
         return block_out.float(), block_lse
     new = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new)[..., None] + block_out.float() * torch.exp(block_lse - new)[..., None]
+    # a row masked in both (new = -inf) keeps O = 0: exp(-inf - -inf) would be NaN
+    dead = torch.isneginf(new)
+    w_old = torch.where(dead, 0.0, torch.exp(lse - new))
+    w_new = torch.where(dead, 0.0, torch.exp(block_lse - new))
+    out = out * w_old[..., None] + block_out.float() * w_new[..., None]
     return out, new
 
 
@@ -149,7 +156,9 @@ def block_mask(mask: torch.Tensor | None, rank: int, block: int, size: int) -> t
     mask is given; ``SKIP`` where it masks every entry of the block."""
     if mask is None:
         return None
-    c = mask.shape[-1] // size
+    seq = mask.shape[-1]
+    mask = torch.broadcast_to(mask, (*mask.shape[:-2], seq, seq))  # a key-padding row [.., 1, S]
+    c = seq // size
     part = mask[..., rank * c:(rank + 1) * c, block * c:(block + 1) * c]
     allowed = part if part.dtype == torch.bool else ~torch.isneginf(part)
     return part.contiguous() if bool(allowed.any()) else SKIP
@@ -220,8 +229,17 @@ def ring_attention_forward(q, k, v, causal: bool, scale: float | None, group, ra
         if wait is not None:
             wait()
             kv = incoming
-    out, lse = state
+    out, lse = _finish(state, q)
     return out.to(q.dtype), lse
+
+
+def _finish(state, q):
+    """The merged (O, lse); every block skipped (a row block masked whole): O = 0, lse = -inf."""
+    out, lse = state
+    if out is None:
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None, group,
@@ -259,7 +277,7 @@ def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, 
         states = [_forward_step(states[r], qs[r], kvs[r], r, (r - t) % n, causal, scale, mask, n)
                   for r in range(n)]
         kvs = [kvs[(r - 1) % n] for r in range(n)]
-    return [(o.to(q.dtype), lse) for (o, lse), q in zip(states, qs)]
+    return [(o.to(q.dtype), lse) for (o, lse), q in ((_finish(st, q), q) for st, q in zip(states, qs))]
 
 
 def simulate_ring_backward(douts, qs, ks, vs, outs, lses, causal: bool, scale: float | None = None,

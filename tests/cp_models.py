@@ -39,7 +39,8 @@ class CausalBlock(nn.Module):
 class RopeLM(nn.Module):
     """``forward(tokens, labels)`` -> loss. loss="mean": token-mean cross-entropy of the next
     token (labels shifted inside, the last position and -100 labels ignored); "mixed": that
-    plus 0.01 x the mean square of the final hidden states (a second, unweighted mean)."""
+    plus 0.01 x the mean square of the final hidden states (a second, unweighted mean);
+    "classes": (cross-entropy over [b, V, s] logits plus a per-token loss's masked mean, logits)."""
 
     def __init__(self, vocab: int = 48, hidden: int = 32, heads: int = 4, layers: int = 2,
                  loss: str = "mean", seed: int = 0) -> None:
@@ -59,6 +60,10 @@ class RopeLM(nn.Module):
         logits = self.head(x)
         # next-token labels: shift left, the last position ignored
         shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        if self.loss == "classes":  # [b, V, s] cross-entropy (nll_loss2d) + a per-token masked mean
+            per = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), reduction="none")
+            kept = (shifted.flatten() != -100).float()
+            return F.cross_entropy(logits.transpose(1, 2), shifted) + (per * kept).sum() / kept.sum(), logits
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
         if self.loss == "mixed":
             return ce + 0.01 * x.pow(2).mean()

@@ -3,7 +3,9 @@ SGD steps (fp32, rtol 1e-5) on gloo ranks, for the zoo's tiny-llama (causal SDPA
 plain-PyTorch causal model with RoPE under two losses (a token mean over unevenly ignored
 labels; that plus a mean square of hidden states) and transformers' Llama and GPT-2 (their
 attention masks built from the ids: ring attention slices them per block). Each run checks that attention ran as ring
-attention and that nothing gathered the sequence."""
+attention and that nothing gathered the sequence. The plain model also returns (loss, logits)
+under a [b, V, s] cross-entropy plus a per-token loss: logits, loss and gradients as one
+device's, under strict=True."""
 
 from __future__ import annotations
 
@@ -54,10 +56,33 @@ def _cp_worker(rank: int, world: int, layouts: list[dict], only: tuple[str, ...]
 DEFAULT = ("tiny-llama", "rope-lm/mean", "rope-lm/mixed", "hf-llama")
 
 
+def _classes_and_logits(rank: int, world: int) -> list[tuple]:
+    """The plain model's (loss, logits) under cp=2 with strict=True (returning logits is not a
+    sequence gather): cross-entropy over [b, V, s] and a per-token loss's masked mean, exact
+    over unevenly ignored labels; the logits, the loss and every gradient as one device's."""
+    from parity_checks import close
+
+    import autopar
+
+    model, batch = RopeLM(loss="classes", seed=1), rope_batch()
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(cp=2), strict=True)
+    (loss, logits), (ref_loss, ref_logits) = pm(*batch), ref(*batch)
+    loss.backward()
+    ref_loss.backward()
+    failures = [("classes", what) for what, a, b in (("loss", loss, ref_loss), ("logits", logits, ref_logits))
+                if not close(a.detach(), b.detach())]
+    named = dict(ref.named_parameters())
+    return failures + [("classes", f"grad {n}") for n, p in pm.named_parameters()
+                       if not close(p.grad.full_tensor(), named[n].grad)]
+
+
 def _cp2_then_accumulated(rank: int, world: int) -> list[tuple]:
-    """One spawn: the default cases at cp=2, then the plain model's mean with 2 micro-batches."""
-    return _cp_worker(rank, world, [{"cp": 2}], DEFAULT) + _cp_worker(rank, world, [{"cp": 2, "grad_accum": 2}],
-                                                                      ("rope-lm/mean",))
+    """One spawn: the default cases at cp=2, then the plain model's mean with 2 micro-batches,
+    then its (loss, logits) under cross-entropy over classes on dim 1."""
+    return (_cp_worker(rank, world, [{"cp": 2}], DEFAULT)
+            + _cp_worker(rank, world, [{"cp": 2, "grad_accum": 2}], ("rope-lm/mean",))
+            + _classes_and_logits(rank, world))
 
 
 def test_cp2():
