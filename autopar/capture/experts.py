@@ -127,12 +127,18 @@ def _backward(ctx, grad):
 _expert_call.register_autograd(_backward, setup_context=_setup)
 
 
+# Below this many experts tracing each costs little, and the per-expert graph keeps what the
+# grouped form does not have yet: each expert's Megatron TP shards and its FP8 casts.
+MIN_EXPERTS = 16
+
+
 def find_expert_lists(model: nn.Module) -> list[ExpertList]:
-    """The model's `ModuleList`s of at least two alike modules with trainable parameters and
-    no buffers (candidates: whether the forward runs them as a group is seen while tracing)."""
+    """The model's `ModuleList`s of at least `MIN_EXPERTS` alike modules with trainable
+    parameters and no buffers (candidates: whether the forward runs them as a group is seen
+    while tracing)."""
     found = []
     for path, module in model.named_modules():
-        if type(module) is not nn.ModuleList or len(module) < 2 or path in _EXCLUDED:
+        if type(module) is not nn.ModuleList or len(module) < MIN_EXPERTS or path in _EXCLUDED:
             continue
         experts = list(module)
         first = experts[0]
@@ -448,13 +454,20 @@ def _stacked(graph: fx.Graph, parts: list[fx.Node], meta: dict) -> fx.Node:
 
 
 def _unstack(graph: fx.Graph, parts: list[fx.Node | None], whole: fx.Node, meta: dict) -> None:
-    """Each part's uses read ``whole[e]``; a ``stack(parts)`` of all, in order, reads ``whole``."""
+    """Each part's uses read ``whole[e]``; a ``stack(parts)`` of all, in order, reads ``whole``
+    (a ``cat(parts)``, its rows)."""
     users = {u for p in parts if p is not None for u in p.users}
     if len(users) == 1 and all(p is not None and len(p.users) == 1 for p in parts):
         (user,) = users
-        if _is(user, _aten.stack.default) and list(user.args[0]) == parts and user.args[1:] in ((), (0,)) \
-                and not user.kwargs:
+        joined = (_is(user, _aten.stack.default) or _is(user, _aten.cat.default)) and \
+            list(user.args[0]) == parts and user.args[1:] in ((), (0,)) and not user.kwargs
+        if joined and _is(user, _aten.stack.default):
             user.replace_all_uses_with(whole)
+            graph.erase_node(user)
+            return
+        if joined and whole.meta["val"].is_contiguous():  # cat on dim 0: the rows of all, in order
+            flat = _add(graph, _aten.view.default, (whole, list(user.meta["val"].shape)), meta)
+            user.replace_all_uses_with(flat)
             graph.erase_node(user)
             return
     for e, p in enumerate(parts):

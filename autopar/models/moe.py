@@ -74,12 +74,11 @@ class MoE(nn.Module):
         # Scatter: kept slots are unique, so index_add is a copy; drops pile into the trash row.
         x_rep = x.unsqueeze(1).expand(groups, k, n_tok, hidden).reshape(-1, hidden)
         buf = x.new_zeros(trash + 1, hidden).index_add(0, slot, x_rep)
-        # Expert e runs on rows [:, e] of [G, E, C, h]; unbind/stack keep the loop's own ops to
-        # two, so a capture groups the experts in time independent of E (autopar.capture.experts).
+        # Expert e runs on rows [:, e] of [G, E, C, h]: one unbind feeds them all, so a capture
+        # groups the experts in time independent of E (autopar.capture.experts).
         rows = buf[:trash].view(groups, E, cap, hidden).transpose(0, 1).reshape(E, groups * cap, hidden)
-        outs = torch.stack([mlp(r) for r, mlp in zip(rows.unbind(0), self.experts)])
-        outs = outs.view(E, groups, cap, hidden).transpose(0, 1).reshape(trash, hidden)
-        out = torch.cat([outs, x.new_zeros(1, hidden)])
+        outs = [mlp(r).view(groups, 1, cap, hidden) for r, mlp in zip(rows.unbind(0), self.experts)]
+        out = torch.cat([torch.cat(outs, dim=1).reshape(trash, hidden), x.new_zeros(1, hidden)])
 
         # Gather each choice's result and combine; dropped choices get weight 0.
         kept = (weight * keep.to(weight.dtype)).reshape(-1, 1)

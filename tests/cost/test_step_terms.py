@@ -43,10 +43,9 @@ LLAMA_LAYOUTS = {
     "dp4_pp2_ga1": (H100_8, Layout(dp=4, pp=2, microbatch=4, grad_accum=1), 0.09405, 23.19e9),
 }
 MOE_LAYOUTS = {
-    # the experts captured as one grouped computation (autopar.capture.experts): fewer kernels
-    "dp4_ep4": (Layout(dp=4, ep=4, microbatch=1, grad_accum=2), 0.007508, 1.555e9),
+    "dp4_ep4": (Layout(dp=4, ep=4, microbatch=1, grad_accum=2), 0.01121, 1.555e9),
     "dp2_ep2_tp2_sp": (Layout(dp=2, ep=2, tp=2, sp=True, microbatch=2, grad_accum=2),
-                       0.007744, 1.556e9),
+                       0.01175, 1.554e9),
 }
 # The breakdown of one layout that has every term but CP, EP and a host's share (to 4 digits):
 # each term within TERM_REL, so a price moved from one technique to another is noticed even
