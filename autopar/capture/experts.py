@@ -32,13 +32,16 @@ import contextlib
 import functools
 import heapq
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, fx, nn
 
 from autopar.capture.repeat import _alike
+
+# a module (no inputs) -> its joint forward+backward graph: (gm, inputs, outputs)
+JointTracer = Callable[[nn.Module], tuple]
 
 META = "expert_group"  # node meta: (the experts' list path, E) on the grouped nodes
 
@@ -272,19 +275,18 @@ class _Grouped(nn.Module):
         return torch.func.vmap(one)(self.x, *(getattr(self, f"p{i}") for i in range(len(names))))
 
 
-def _grouped_joint(group: ExpertList, x_val: Tensor, param_vals: list[Tensor], fake_mode):
-    """The joint graph of `_Grouped` for E experts: (gm, inputs, outputs) as `joint._joint`."""
-    from autopar.capture.joint import _fake_parameters, _joint
-
+def _grouped_joint(group: ExpertList, x_val: Tensor, param_vals: list[Tensor], trace: JointTracer):
+    """The joint graph of `_Grouped` for E experts: (gm, inputs, outputs), as ``trace`` (the
+    capture's own joint tracer, passed in: this module sits below `autopar.capture.joint`)
+    makes it."""
     E = len(group.experts)
     stacked = [torch.empty((E, *p.shape), dtype=p.dtype, device="meta") for p in param_vals]
     xs = torch.empty((E, *x_val.shape), dtype=x_val.dtype, device="meta")
     root = _Grouped(group.experts[0], group.names, stacked, xs)
-    with _fake_parameters(root, fake_mode):
-        try:
-            return _joint(root, ())
-        except Exception as exc:  # vmap cannot batch the expert (randomness, data-dependent code)
-            raise NotGroupable(f"{group.path}: the experts do not batch with vmap ({type(exc).__name__}: {exc})", group.path) from exc
+    try:
+        return trace(root)
+    except Exception as exc:  # vmap cannot batch the expert (randomness, data-dependent code)
+        raise NotGroupable(f"{group.path}: the experts do not batch with vmap ({type(exc).__name__}: {exc})", group.path) from exc
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -308,19 +310,20 @@ def _add(graph: fx.Graph, op, args: tuple, meta: dict, kwargs: dict | None = Non
     return node
 
 
-def group_experts(gm: fx.GraphModule, lists: list[ExpertList], fake_mode) -> list[tuple[str, int]]:
+def group_experts(gm: fx.GraphModule, lists: list[ExpertList], trace: JointTracer) -> list[tuple[str, int]]:
     """Replace each list's E expert calls (forward and backward) in ``gm`` with the grouped
-    computation; returns the (path, E) of each list grouped. `NotGroupable` where the calls do
+    computation, traced by ``trace`` (a module -> its joint graph, (gm, inputs, outputs));
+    returns the (path, E) of each list grouped. `NotGroupable` where the calls do
     not form one group (see the module docstring), or where rewriting them fails."""
     try:
-        return _group_experts(gm, lists, fake_mode)
+        return _group_experts(gm, lists, trace)
     except NotGroupable:
         raise
     except Exception as exc:  # a layout the checks missed: tracing the experts one by one is right
         raise NotGroupable(f"grouping the experts failed: {exc!r}") from exc
 
 
-def _group_experts(gm: fx.GraphModule, lists: list[ExpertList], fake_mode) -> list[tuple[str, int]]:
+def _group_experts(gm: fx.GraphModule, lists: list[ExpertList], trace: JointTracer) -> list[tuple[str, int]]:
     calls: dict[int, dict[int, fx.Node]] = {}
     backs: dict[int, dict[int, fx.Node]] = {}
     for n in gm.graph.nodes:
@@ -353,7 +356,7 @@ def _group_experts(gm: fx.GraphModule, lists: list[ExpertList], fake_mode) -> li
         tkey = (type(group.experts[0]), tuple(group.names), E, *sig,
                 tuple((tuple(p.shape), p.dtype) for p in param_vals))
         if tkey not in templates:
-            templates[tkey] = _grouped_joint(group, xs[0].meta["val"], param_vals, fake_mode)
+            templates[tkey] = _grouped_joint(group, xs[0].meta["val"], param_vals, trace)
         _splice(gm.graph, group, fwd_nodes, bwd_nodes, templates[tkey])
         done.append((group.path, E))
     _stable_toposort(gm.graph)

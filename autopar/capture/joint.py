@@ -13,6 +13,7 @@ without error but its joint graph has no parameter gradients (see shared torch-2
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -163,7 +164,7 @@ def capture(
             _label_modules(gm)
         if expert_lists:
             try:
-                note = experts.grouped_note(experts.group_experts(gm, expert_lists, fake_mode), note)
+                note = experts.grouped_note(experts.group_experts(gm, expert_lists, functools.partial(_trace_fake, fake_mode=fake_mode)), note)
             except experts.NotGroupable as exc:
                 with experts.excluding(exc, expert_lists):
                     return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks)
@@ -257,6 +258,12 @@ def _user_frames(trace: str, package_dirs: Sequence[str]) -> str:
 def _trace_whole(model: nn.Module, example_inputs, loss_fn=None, dtype=None) -> TrainingGraph:
     """`capture` without repeating blocks (what `capture_repeated` traces its four with)."""
     return capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype, repeat_blocks=False)
+
+
+def _trace_fake(root: nn.Module, fake_mode: FakeTensorMode):
+    """The joint graph of a module without inputs whose parameters are meta tensors."""
+    with _fake_parameters(root, fake_mode):
+        return _joint(root, ())
 
 
 def _joint(root: nn.Module, fake_inputs, prefix: str = ""):
