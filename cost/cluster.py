@@ -660,7 +660,7 @@ def rank_share(threads: int, cores: int, ranks: float, threads_per_rank: int) ->
     A rank runs ``threads_per_rank`` threads but the ranks time-share the cores, so it gets
     min(threads_per_rank, cores / ranks) cores at the calibrated per-core rate (the rate over
     min(threads, cores) busy cores; ``cores`` as os.cpu_count() reports them). Memory
-    bandwidth is shared the same way. Measured on the 2-core dev box (2026-11-30, 4-layer h256
+    bandwidth is shared the same way. Measured on the 2-core dev box (4-layer h256
     Llama step, batch 4x128 per rank): 196 ms alone on one thread, 440 ms with 4 ranks running
     at once (model: 2 x 196 = 392 ms); calibrated 2-thread matmul 182 GFLOP/s, 1 thread 92.
     """

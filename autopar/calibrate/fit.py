@@ -44,16 +44,15 @@ FAILED_WEIGHT = 0.3  # a failed run predicted to fit: weaker evidence than a mea
 PRIOR_WEIGHT = 1.0
 # soft-L1 loss: a residual beyond 0.1 (10 % in throughput) weighs linearly, not squared, so a
 # cell's pathological runs (1.3 s stalls per micro-batch) pull less on the rest. A Cauchy loss
-# with weights favouring each cell's fast runs was tried in session 5 (the same regret and
-# Spearman then); the weights below came back in session 13, on a model whose compute terms
-# the stalls no longer hide
+# with weights favouring each cell's fast runs gave the same regret and Spearman; the weights
+# below pay off on a model whose compute terms the stalls no longer hide
 TIME_LOSS = "soft_l1"
 # A planner's errors matter on the layouts it could choose: a run's time residual is multiplied
 # by (its throughput / its cell's best)^RELEVANCE_POWER, so a run that measured a tenth of its
 # cell's best (a stalled pipeline, mostly: the playbook's ZeRO-0/1 twins of such runs often ran
 # 2-41x faster) pulls 0.32 as hard as the best (its residual is in soft-L1's linear part),
 # and its loss turns linear only beyond 0.1 / 0.32 in log throughput. On the playbook's runs
-# (in-sample all-cell fits, session 13): unweighted (power 0) regret median 0.970, Spearman
+# (in-sample all-cell fits): unweighted (power 0) regret median 0.970, Spearman
 # 0.83, best run's error 15.1 %, llama3-8b on 8 nodes at MFU 48.6 % (above every measured 8B
 # run); 0.25: 0.999, 0.854, 13.9 %; 0.5: 0.999, 0.859, 10.7 %, MFU 40.8 %; 1: 0.999, 0.81,
 # 7.8 %, 41.3 %; 2 (without the gemm prior): 0.997, 0.71, 4.4 %, the pipelines' stalls

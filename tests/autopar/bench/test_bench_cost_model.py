@@ -104,7 +104,7 @@ def test_dp_throughput_within_25_percent_and_falling(quick):
     assert [r["dp"] for r in rows] == list(DP_TOK_S_GPU)
     predicted = [r["predicted_tok_s_gpu"] for r in rows]
     for r in rows:
-        # the h100-efa fit (session 5, in-sample points): every DP point within 8 %
+        # the h100-efa fit (in-sample points): every DP point within 8 %
         assert abs(r["predicted_tok_s_gpu"] / DP_TOK_S_GPU[r["dp"]] - 1) < 0.25, r
         # memory flat at 36.7 GB measured (the allocator's peak; the prediction adds the fitted
         # 4 GB reserve and 1.35x activation fragmentation the out-of-memory outcomes ask for)
