@@ -675,7 +675,13 @@ def _model_op(node: fx.Node, kinds: dict, batch: int, loose: bool = False) -> Ki
             return _x(node, f"{node.target} multiplies across the samples of the batch")
         rows = dims[0] if dims[0] is not None else dims[1]
         if rows:  # the samples on the output's rows (1) or columns (2), not on dim 0
-            if any(k.kind == "B" and k.dens for k in ins if not isinstance(k, list)):
+            if any(isinstance(k, list) or k.kind not in ("B", "U") for k in ins):
+                return _x(node, f"{node.target} of a value reduced over the batch")
+            bias = kinds[node.args[0]] if node.target == aten.baddbmm.default \
+                and isinstance(node.args[0], fx.Node) else _U
+            if bias != _U and bias.dim != rows:  # baddbmm's added term: per-sample on those rows
+                return _x(node, f"{node.target} adds a value whose samples are not on the product's")
+            if any(k.kind == "B" and k.dens for k in ins):
                 return _x(node, f"{node.target} of per-sample values divided by a batch sum")
             return Kind("B", rows, loose=(lhs if dims[0] is not None else rhs_).loose)
     if any(isinstance(k, list) or k.kind != "B" and k.kind != "U" for k in ins):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, fx, nn
 
-from autopar.capture.repeat import _alike
+from autopar.capture.repeat import _alike, _equal
 
 # a module (no inputs) -> its joint forward+backward graph: (gm, inputs, outputs)
 JointTracer = Callable[[nn.Module], tuple]
@@ -150,9 +150,43 @@ def find_expert_lists(model: nn.Module) -> list[ExpertList]:
             continue
         if len({id(p) for m in experts for p in m.parameters()}) != len(params) * len(experts):
             continue  # a tensor shared between experts
+        if _hooked(experts) or any(not _private_alike(first, m) for m in experts[1:]):
+            continue  # the template (expert 0's code) would not be what each expert runs
         if all(_alike(first, m, -1, -1) for m in experts[1:]):
             found.append(ExpertList(path, experts, [n for n, _ in params]))
     return found
+
+
+# nn.Module's own bookkeeping, not state a forward reads (hooks are refused by `_hooked`)
+_MODULE_INTERNALS = frozenset(vars(nn.Linear(1, 1))) - {"in_features", "out_features", "training"}
+
+
+def _hooked(experts: list[nn.Module]) -> bool:
+    """Any hook that the grouped computation would run other than the trace did: on an expert
+    or its submodules, global module hooks, or an instance ``forward`` replacing the class's."""
+    from torch.nn.modules import module as torch_module
+
+    if any(getattr(torch_module, name) for name in (
+            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+            "_global_backward_pre_hooks")):
+        return True
+    for expert in experts:
+        for m in expert.modules():
+            if "forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks \
+                    or m._backward_hooks or m._backward_pre_hooks:
+                return True
+    return False
+
+
+def _private_alike(a: nn.Module, b: nn.Module) -> bool:
+    """The underscore attributes of every submodule equal (`_alike` compares the public ones):
+    a private scale or activation differing between experts is refused, not templated."""
+    for ma, mb in zip(a.modules(), b.modules()):
+        va = {k: v for k, v in vars(ma).items() if k.startswith("_") and k not in _MODULE_INTERNALS}
+        vb = {k: v for k, v in vars(mb).items() if k.startswith("_") and k not in _MODULE_INTERNALS}
+        if va.keys() != vb.keys() or not all(_equal(v, vb[k]) for k, v in va.items()):
+            return False
+    return True
 
 
 @contextlib.contextmanager
@@ -333,7 +367,6 @@ def _group_experts(gm: fx.GraphModule, lists: list[ExpertList], trace: JointTrac
                 if index in table.setdefault(key, {}):
                     raise NotGroupable(f"{lists[key].path}.{index} is called more than once", lists[key].path)
                 table[key][index] = n
-    templates: dict[tuple, tuple] = {}
     done = []
     for key in sorted(calls):
         group = lists[key]
@@ -353,11 +386,10 @@ def _group_experts(gm: fx.GraphModule, lists: list[ExpertList], trace: JointTrac
         if _ancestors(xs) & set(fwd_nodes) or _ancestors([b.args[2] for b in bwd_nodes]) & set(bwd_nodes):
             raise NotGroupable(f"{group.path}: an expert reads another expert's result", group.path)
         param_vals = [p.meta["val"] for p in fwd_nodes[0].args[1]]
-        tkey = (type(group.experts[0]), tuple(group.names), E, *sig,
-                tuple((tuple(p.shape), p.dtype) for p in param_vals))
-        if tkey not in templates:
-            templates[tkey] = _grouped_joint(group, xs[0].meta["val"], param_vals, trace)
-        _splice(gm.graph, group, fwd_nodes, bwd_nodes, templates[tkey])
+        # one template per list: two lists alike in shapes may differ in what their experts
+        # compute (an attribute, an activation), which only each list's own trace shows
+        template = _grouped_joint(group, xs[0].meta["val"], param_vals, trace)
+        _splice(gm.graph, group, fwd_nodes, bwd_nodes, template)
         done.append((group.path, E))
     _stable_toposort(gm.graph)
     gm.graph.lint()

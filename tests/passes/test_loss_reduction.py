@@ -377,3 +377,22 @@ def test_a_coefficient_on_a_sum_is_a_constant_scale_or_refused_as_ambiguous():
     assert _check(Net("coefficient"), _batch(1), pieces=4) == "sum"
     for loss in (lambda z, y, m: 0.1 * z.square().sum(), lambda z, y, m: z.square().sum() * (1.0 / z.shape[0])):
         assert "cannot tell" in _refusal(loss, b=2)
+
+
+class _BatchMeanBias(torch.nn.Module):
+    """baddbmm adding the batch's mean to every sample's product: the samples meet (refused)."""
+
+    def __init__(self, experts: int = 3, d: int = 4) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(experts, d, d))
+
+    def forward(self, x):  # x [B, d]
+        h = x.unsqueeze(0).expand(self.w.shape[0], *x.shape)  # per sample on dim 1
+        out = torch.baddbmm(x.mean(0).view(1, 1, -1), h, self.w)
+        return out.pow(2).mean()
+
+
+def test_a_batch_statistic_added_to_a_per_sample_product_is_refused():
+    graph = capture(_BatchMeanBias(), (torch.randn(6, 4),))
+    red = analyze_loss(graph.gm, _signature(graph))
+    assert red.mode == "unproven" and "baddbmm" in red.why, red.why

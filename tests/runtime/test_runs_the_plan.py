@@ -112,12 +112,15 @@ def _logits_worker(rank: int, world: int) -> list:
     model = WithLogits()
     ref = WithLogits()
     ref.load_state_dict(model.state_dict())
-    loss_ref = ref(*batch)[0]
+    loss_ref, logits_ref = ref(*batch)
     loss_ref.backward()  # the returned output gets no gradient: eager's loss.backward()
     bad = []
     for layout in (autopar.Layout(dp=world), autopar.Layout(tp=world), autopar.Layout(dp=world, zero=3)):
         pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
-        loss = pm(*batch)
+        loss, logits = pm(*batch)  # the module's (loss, logits): this rank's slice under DP
+        want = logits_ref.detach().chunk(layout.dp)[rank % layout.dp]
+        if logits.requires_grad or not torch.allclose(logits, want, rtol=1e-5, atol=1e-6):
+            bad.append((layout.short(), "logits"))
         loss.backward()
         if abs(float(loss) - float(loss_ref)) > 1e-5 * abs(float(loss_ref)):
             bad.append((layout.short(), "loss"))

@@ -101,6 +101,56 @@ def test_experts_that_differ_are_traced_one_by_one():
     assert _per_expert_nodes(graph)
 
 
+class _Scaled(torch.nn.Module):
+    """An expert that multiplies by a per-layer constant: lists alike in shapes, not in code."""
+
+    def __init__(self, h: int, scale: float, private: float = 1.0) -> None:
+        super().__init__()
+        self.fc, self.scale, self._private = torch.nn.Linear(h, h), scale, private
+
+    def forward(self, x):
+        return self.fc(x) * self.scale * self._private
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, h: int, scale: float, privates=None) -> None:
+        super().__init__()
+        privates = privates or [1.0] * MIN_EXPERTS
+        self.experts = torch.nn.ModuleList(_Scaled(h, scale, p) for p in privates)
+
+    def forward(self, x):  # x [E, n, h]: expert e takes row e
+        return torch.stack([e(r) for r, e in zip(x.unbind(0), self.experts)])
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self, privates=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([_Layer(8, 1.0, privates), _Layer(8, 0.5, privates)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).tanh()
+        return x.pow(2).mean()
+
+
+def test_lists_alike_in_shapes_run_their_own_code():
+    # each layer's experts are grouped from their own trace, not from another layer's template
+    graph = _same_as_eager(_TwoLayers(), (torch.randn(MIN_EXPERTS, 3, 8),))
+    assert _grouped(graph) == {"layers.0.experts": MIN_EXPERTS, "layers.1.experts": MIN_EXPERTS}
+
+
+def test_hooked_or_privately_different_experts_are_traced_one_by_one():
+    x = (torch.randn(MIN_EXPERTS, 3, 8),)
+    model = _TwoLayers()
+    model.layers[0].experts[3].register_forward_hook(lambda m, i, o: o * 2)  # on one expert only
+    graph = _same_as_eager(model, x)
+    assert "layers.0.experts" not in _grouped(graph)
+    privates = [1.0 + e / 10 for e in range(MIN_EXPERTS)]  # a private attribute per expert
+    graph = _same_as_eager(_TwoLayers(privates), x)
+    assert not _grouped(graph)
+
+
 def test_a_stack_run_in_sequence_is_not_grouped():
     # the layers are alike modules in a ModuleList too, but each reads the previous one's result
     graph = capture(models.build("tiny-llama", device="meta"),
