@@ -69,10 +69,32 @@ def measure_waits() -> Iterator[list[float]]:
 
 
 def block_kind(rank: int, block: int, causal: bool) -> str:
-    """How queries of contiguous block ``rank`` attend keys of block ``block``."""
+    """How queries of sequence chunk ``rank`` attend keys of chunk ``block`` (chunk indices in
+    position order)."""
     if not causal or block < rank:
         return FULL
     return CAUSAL if block == rank else SKIP
+
+
+def rank_chunks(rank: int, size: int, balanced: bool) -> tuple[int, ...]:
+    """The sequence chunks rank ``rank`` of ``size`` holds, in position order: its contiguous
+    block (``size`` chunks), or, load-balanced, chunks ``rank`` and ``2 size - 1 - rank`` of
+    ``2 size`` (every rank then attends the same number of causal (query, key) pairs)."""
+    return (rank, 2 * size - 1 - rank) if balanced else (rank,)
+
+
+def _groups(q_chunks, kv_chunks, causal: bool):
+    """The attention calls of one ring step: [(q sub-block, kv sub-blocks, causal)], the
+    sub-blocks local indices into the rank's chunks. Per query chunk: one call over every
+    key chunk before it (or every one, not causal), one causal call on its own chunk."""
+    calls = []
+    for a, qc in enumerate(q_chunks):
+        kinds = [block_kind(qc, kc, causal) for kc in kv_chunks]
+        full = tuple(b for b, k in enumerate(kinds) if k == FULL)
+        if full:
+            calls.append((a, full, False))
+        calls += [(a, (b,), True) for b, k in enumerate(kinds) if k == CAUSAL]
+    return calls
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -151,36 +173,77 @@ def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     return out, new
 
 
-def block_mask(mask: torch.Tensor | None, rank: int, block: int, size: int) -> torch.Tensor | None:
-    """The whole mask's [.., rows of block ``rank``, columns of block ``block``]; None where no
-    mask is given; ``SKIP`` where it masks every entry of the block."""
+def block_mask(mask: torch.Tensor | None, q_chunk: int, kv_chunks: tuple[int, ...],
+               chunks: int) -> torch.Tensor | None:
+    """The whole mask's [.., rows of chunk ``q_chunk``, columns of ``kv_chunks``] (the sequence
+    in ``chunks`` equal chunks); None where no mask is given; ``SKIP`` where it masks every
+    entry."""
     if mask is None:
         return None
     seq = mask.shape[-1]
     mask = torch.broadcast_to(mask, (*mask.shape[:-2], seq, seq))  # a key-padding row [.., 1, S]
-    c = seq // size
-    part = mask[..., rank * c:(rank + 1) * c, block * c:(block + 1) * c]
+    c = seq // chunks
+    rows = mask[..., q_chunk * c:(q_chunk + 1) * c, :]
+    part = torch.cat([rows[..., k * c:(k + 1) * c] for k in kv_chunks], dim=-1)
     allowed = part if part.dtype == torch.bool else ~torch.isneginf(part)
     return part.contiguous() if bool(allowed.any()) else SKIP
 
 
-def _forward_step(state, q, kv, rank: int, block: int, causal: bool, scale, mask, size: int):
-    kind = block_kind(rank, block, causal)
-    part = block_mask(mask, rank, block, size)
-    if kind == SKIP or isinstance(part, str):
-        return state
+def _sub(x: torch.Tensor, blocks: tuple[int, ...], count: int) -> torch.Tensor:
+    """Sub-blocks ``blocks`` of ``x``'s local sequence (dim 2 of [b, h, s, d]) cut in ``count``."""
+    if count == 1:
+        return x
+    parts = x.chunk(count, dim=2)
+    return parts[blocks[0]] if len(blocks) == 1 else torch.cat([parts[b] for b in blocks], dim=2)
+
+
+class _Ring:
+    """One rank's view of the ring: its chunks and the chunks each ring step brings."""
+
+    def __init__(self, rank: int, size: int, causal: bool, balanced: bool, mask) -> None:
+        self.rank, self.size, self.causal, self.mask = rank, size, causal, mask
+        self.balanced = balanced
+        self.per_rank = 2 if balanced else 1
+        self.chunks = size * self.per_rank
+        self.q_chunks = rank_chunks(rank, size, balanced)
+
+    def calls(self, source: int):
+        """[(q sub-block, kv sub-blocks, causal, mask part)] against rank ``source``'s K/V."""
+        kv_chunks = rank_chunks(source, self.size, self.balanced)
+        out = []
+        for a, bs, causal in _groups(self.q_chunks, kv_chunks, self.causal):
+            part = block_mask(self.mask, self.q_chunks[a], tuple(kv_chunks[b] for b in bs), self.chunks)
+            if not isinstance(part, str):
+                out.append((a, bs, causal, part))
+        return out
+
+
+def _forward_step(states, q, kv, ring: _Ring, source: int, scale):
+    """``states``: (O, lse) per query sub-block, merged with source's K/V block."""
     k, v = kv.chunk(2, dim=0)
-    return merge(*state, *block_attention(q, k, v, kind == CAUSAL, scale, part))
+    n = ring.per_rank
+    states = list(states)
+    for a, bs, causal, part in ring.calls(source):
+        block = block_attention(_sub(q, (a,), n), _sub(k, bs, n), _sub(v, bs, n), causal, scale, part)
+        states[a] = merge(*states[a], *block)
+    return states
 
 
-def _backward_step(dq, dkv, dout, q, kv, out, lse, rank: int, block: int, causal: bool, scale, mask, size: int):
-    kind = block_kind(rank, block, causal)
-    part = block_mask(mask, rank, block, size)
-    if kind == SKIP or isinstance(part, str):
+def _backward_step(dq, dkv, dout, q, kv, out, lse, ring: _Ring, source: int, scale):
+    k, v = kv.chunk(2, dim=0)
+    n = ring.per_rank
+    if not ring.calls(source):
         return dq, dkv
-    k, v = kv.chunk(2, dim=0)
-    bq, bk, bv = block_attention_backward(dout, q, k, v, out, lse, kind == CAUSAL, scale, part)
-    return dq + bq.float(), dkv + torch.cat([bk, bv]).float()
+    dqs = list(dq.chunk(n, dim=2))
+    dks, dvs = (list(g.chunk(n, dim=2)) for g in dkv.chunk(2, dim=0))
+    for a, bs, causal, part in ring.calls(source):
+        bq, bk, bv = block_attention_backward(_sub(dout, (a,), n), _sub(q, (a,), n), _sub(k, bs, n),
+                                              _sub(v, bs, n), _sub(out, (a,), n), lse.chunk(n, dim=2)[a],
+                                              causal, scale, part)
+        dqs[a] = dqs[a] + bq.float()
+        for j, (gk, gv) in zip(bs, zip(bk.chunk(len(bs), dim=2), bv.chunk(len(bs), dim=2))):
+            dks[j], dvs[j] = dks[j] + gk.float(), dvs[j] + gv.float()
+    return torch.cat(dqs, dim=2), torch.cat([torch.cat(dks, dim=2), torch.cat(dvs, dim=2)])
 
 
 def _check(q, k, v) -> None:
@@ -214,40 +277,50 @@ class _RingLink:
 
 
 def ring_attention_forward(q, k, v, causal: bool, scale: float | None, group, rank: int,
-                           size: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (O, lse) of attention over the sequence split in ``size`` contiguous blocks
-    over ``group`` (this rank holds block ``rank``); ``mask``: the whole [.., S, S] mask."""
+                           size: int, mask: torch.Tensor | None = None,
+                           balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (O, lse) of attention over the sequence split over the ``size`` ranks of
+    ``group`` (chunks as `rank_chunks` deals them); ``mask``: the whole [.., S, S] mask."""
     _check(q, k, v)
     link = _RingLink(group, rank, size)
+    ring = _Ring(rank, size, causal, balanced, mask)
     kv = torch.cat([k, v])
-    state = (None, None)
+    states = [(None, None)] * ring.per_rank
     for t in range(size):
         wait = None
         if t < size - 1:  # the next block travels while this one is attended
             incoming, wait = link.start(kv)
-        state = _forward_step(state, q, kv, rank, (rank - t) % size, causal, scale, mask, size)
+        states = _forward_step(states, q, kv, ring, (rank - t) % size, scale)
         if wait is not None:
             wait()
             kv = incoming
-    out, lse = _finish(state, q)
+    out, lse = _finish(states, q)
     return out.to(q.dtype), lse
 
 
-def _finish(state, q):
-    """The merged (O, lse); every block skipped (a row block masked whole): O = 0, lse = -inf."""
-    out, lse = state
-    if out is None:
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    return out, lse
+def _finish(states, q):
+    """The merged (O, lse) of every query sub-block, concatenated; a sub-block every block
+    skipped (masked whole): O = 0, lse = -inf."""
+    parts = q.chunk(len(states), dim=2)
+    outs, lses = [], []
+    for (out, lse), part in zip(states, parts):
+        if out is None:
+            out = torch.zeros(part.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(part.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        outs.append(out)
+        lses.append(lse)
+    if len(states) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None, group,
-                            rank: int, size: int,
-                            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            rank: int, size: int, mask: torch.Tensor | None = None,
+                            balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (dQ, dK, dV); ``out`` and ``lse`` are the merged forward's."""
     _check(q, k, v)
     link = _RingLink(group, rank, size)
+    ring = _Ring(rank, size, causal, balanced, mask)
     kv = torch.cat([k, v])
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
@@ -255,8 +328,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float 
         wait = None
         if t < size - 1:
             incoming, wait = link.start(kv)
-        dq, dkv = _backward_step(dq, dkv, dout, q, kv, out, lse, rank, (rank - t) % size, causal, scale,
-                                 mask, size)
+        dq, dkv = _backward_step(dq, dkv, dout, q, kv, out, lse, ring, (rank - t) % size, scale)
         # the accumulator follows its block: after the last step it reaches the block's owner
         dkv, wait_grad = link.start(dkv, tag=1)
         wait_grad()
@@ -267,30 +339,32 @@ def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, mask=None):
+def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, mask=None,
+                          balanced: bool = False):
     """`ring_attention_forward` of every rank, run in one process in lock step (the ring's
     transfers are list rotations): [(O_r, lse_r)] for the blocks ``qs[r], ks[r], vs[r]``."""
     n = len(qs)
+    rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
     kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
-    states = [(None, None)] * n
+    states = [[(None, None)] * rings[0].per_rank for _ in range(n)]
     for t in range(n):
-        states = [_forward_step(states[r], qs[r], kvs[r], r, (r - t) % n, causal, scale, mask, n)
-                  for r in range(n)]
+        states = [_forward_step(states[r], qs[r], kvs[r], rings[r], (r - t) % n, scale) for r in range(n)]
         kvs = [kvs[(r - 1) % n] for r in range(n)]
     return [(o.to(q.dtype), lse) for (o, lse), q in ((_finish(st, q), q) for st, q in zip(states, qs))]
 
 
 def simulate_ring_backward(douts, qs, ks, vs, outs, lses, causal: bool, scale: float | None = None,
-                           mask=None):
+                           mask=None, balanced: bool = False):
     """`ring_attention_backward` of every rank in one process: [(dQ_r, dK_r, dV_r)]."""
     n = len(qs)
+    rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
     kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
     dqs = [torch.zeros(q.shape) for q in qs]
     dkvs = [torch.zeros(kv.shape) for kv in kvs]
     for t in range(n):
         for r in range(n):
             dqs[r], dkvs[r] = _backward_step(dqs[r], dkvs[r], douts[r], qs[r], kvs[r], outs[r], lses[r],
-                                             r, (r - t) % n, causal, scale, mask, n)
+                                             rings[r], (r - t) % n, scale)
         kvs = [kvs[(r - 1) % n] for r in range(n)]
         dkvs = [dkvs[(r - 1) % n] for r in range(n)]
     return [(dq.to(q.dtype), *(g.to(q.dtype) for g in dkv.chunk(2, dim=0))) for dq, dkv, q in zip(dqs, dkvs, qs)]
@@ -306,14 +380,14 @@ def _group(name: str):
 @torch.library.custom_op("autopar::ring_attention", mutates_args=())
 def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
                       group_name: str, rank: int, size: int,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor | None = None, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_attention_forward` over the process group named ``group_name``."""
-    out, lse = ring_attention_forward(q, k, v, is_causal, scale, _group(group_name), rank, size, mask)
+    out, lse = ring_attention_forward(q, k, v, is_causal, scale, _group(group_name), rank, size, mask, balanced)
     return out.contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None):
+def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None, balanced=False):
     # contiguous, as the real op returns (empty_like would copy q's strides)
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -322,13 +396,14 @@ def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None):
 def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
                                group_name: str, rank: int, size: int,
-                               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               mask: torch.Tensor | None = None,
+                               balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ring_attention_backward` over the process group named ``group_name``."""
     dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal, scale, _group(group_name),
-                                         rank, size, mask)
+                                         rank, size, mask, balanced)
     return dq.contiguous(), dk.clone(), dv.clone()  # dk, dv: views of one buffer
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size, mask=None):
+def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size, mask=None, balanced=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
