@@ -361,7 +361,8 @@ def _context_parallel(gm, signature: GraphSignature, decisions: PlanDecisions, m
     lay = decisions.layout
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        traced = apply_context_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders], mesh["cp"])
+        traced = apply_context_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders], mesh["cp"],
+                                        balanced=lay.cp_balance)
     except ContextParallelError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
     gathered = [Fallback(op, why) for op, why in traced.gathered]
