@@ -73,5 +73,6 @@ def _causal_pairs(rank: int, n: int, balanced: bool) -> float:
 def test_balanced_ranks_attend_equal_work(n):
     balanced = [_causal_pairs(r, n, True) for r in range(n)]
     assert len(set(balanced)) == 1 and balanced[0] == 2 * n  # (2n)^2 / 2 pairs over n ranks
+    # contiguous blocks: rank r attends r + 1/2 blocks, the last (2n - 1) / n times the average
     contiguous = [_causal_pairs(r, n, False) for r in range(n)]
-    assert contiguous[-1] / (sum(contiguous) / n) == pytest.approx(2 * n / (n + 1))
+    assert contiguous[-1] / (sum(contiguous) / n) == pytest.approx((2 * n - 1) / n)
