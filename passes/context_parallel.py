@@ -351,7 +351,7 @@ class _Runner:
 
     def _ring_tail(self, mask):
         """The ring ops' trailing arguments: the whole mask and the chunk layout."""
-        return (mask, True) if self.balanced else (mask,)
+        return mask, self.balanced
 
     def _ring_forward(self, node: fx.Node, env):
         """(O, lse) of the whole sequence's attention, this rank's block of the queries."""
