@@ -133,7 +133,6 @@ def _logits_and_refusals(world: int) -> list[tuple]:
 
 def _two_ranks(rank: int, world: int) -> list[tuple]:
     cases = [("weighted", WeightedLM(loss="weighted", seed=1), {"cp": 2}, ()),
-             ("mean", WeightedLM(loss="mean", seed=2), {"cp": 2}, ()),
              ("contiguous", WeightedLM(loss="weighted", seed=3), {"cp": 2, "cp_balance": False}, ()),
              ("cumsum", WeightedLM(loss="weighted", cumsum=True, seed=5), {"cp": 2}, ("all_gather",))]
     return _parity(world, cases) + _logits_and_refusals(world)
