@@ -169,10 +169,9 @@ def test_balanced_cp4_cumsum_logits_and_contiguous():
 
 def test_sequence_not_cut_into_2cp_chunks_is_refused():
     """cp=2 over 6 positions: 3 per rank, not two equal chunks; the error names the fix."""
+    import autopar
     from autopar.errors import AutoparError
     from runtime.mesh import fake_world
-
-    import autopar
 
     batch = weighted_batch(seq=6)
     with fake_world(2), pytest.raises(AutoparError, match=r"2\*cp = 4 equal chunks.*multiple of 4.*cp_balance=False"):
