@@ -1,8 +1,9 @@
 """Context parallelism as a rewrite of the per-rank joint graph: the sequence split over cp ranks.
 
-Context parallelism is data parallelism over the sequence. CP rank r of n holds the r-th
-contiguous block of every sequence (positions [r S/n, (r+1) S/n)); parameters are replicated
-over cp. Every op that treats positions independently (embeddings, norms, matmuls, MLPs, the
+Context parallelism is data parallelism over the sequence. The sequence is cut in 2n chunks
+and CP rank r of n holds chunks r and 2n-1-r (load-balanced: under a causal mask every rank
+attends the same number of (query, key) pairs; `passes.cp_balance`), or with ``balanced=False``
+the r-th contiguous block; parameters are replicated over cp. Every op that treats positions independently (embeddings, norms, matmuls, MLPs, the
 per-token loss) runs on the rank's positions alone; a weight's gradient is a sum over
 positions, so each rank's is a partial sum, all-reduced over cp (before the data-parallel
 reduction over dp, which sums over the batch the same way); a loss that is a mean or a ratio
@@ -12,8 +13,10 @@ The pass runs the dp-local global joint graph once on DTensors over the 1-D "cp"
 tensor-parallel pass does over "tp": parameters and data replicated. Values of the data only
 (computed from the inputs and constants alone: shifted labels, position ids, RoPE tables,
 attention masks) are computed whole, as on one device; where one shaped [batch, seq, ...] meets
-parameters or activations (token ids into the embedding) it enters as the rank's block of the
-sequence (``Shard(1)``: a local slice, no communication). DTensor's sharding propagation
+parameters or activations (token ids into the embedding) it enters as the rank's part of the
+sequence (``Shard(1)``: a local slice, no communication). Balanced, ``Shard`` on the cp mesh
+means the rank's two chunks while the graph is traced (`passes.cp_balance.zigzag_shards`): the
+global view stays in position order, so every slice, gather and output follows the chunks. DTensor's sharding propagation
 computes every op exactly on those placements: other data-only values are sliced where they
 meet the rank's positions; partial sums are all-reduced
 before an op not linear in them; an op that mixes positions (a slice shifting the sequence, a

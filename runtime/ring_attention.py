@@ -1,7 +1,9 @@
 """Ring attention: scaled-dot-product attention over a sequence split across context-parallel ranks.
 
-Rank r of n holds the r-th contiguous block of the sequence: queries Q_r, keys K_r, values
-V_r, each [b, h, s/n, d]. Attention of Q_r over the whole sequence is a merge of per-block
+Rank r of n holds part of the sequence: its r-th contiguous block, or, load-balanced, chunks r
+and 2n-1-r of 2n (`rank_chunks`; every rank then attends the same number of causal (query,
+key) pairs): queries Q_r, keys K_r, values V_r, each [b, h, s/n, d], the chunks in position
+order. Attention of Q_r over the whole sequence is a merge of per-block
 attentions. For one block j, with S_rj = scale * Q_r K_j^T (masked above the diagonal when
 causal),
 
@@ -14,11 +16,12 @@ and the blocks merge by the log-sum-exp rule (exact, in any order):
 Forward: the K/V blocks travel round the ring (rank r sends to r+1, receives from r-1), so at
 step t rank r holds block j = (r - t) mod n; the transfer of the next block is started before
 the local block's attention and waited for after it (communication overlapped with compute).
-Causal: block j < r is attended fully, j = r with the causal mask (equal block sizes: the
-diagonal is aligned), j > r is skipped (every key after every query). An explicit mask M
-(boolean, or additive float; a value of the data only: every rank holds it whole, [.., S, S])
-is sliced per block, M[.., rows of r, columns of j]; a block it masks entirely is skipped, and
-a query row it masks entirely within one block contributes nothing (O = 0, lse = -inf).
+Causal, per pair of chunks (query chunk i, key chunk j): j < i attended fully (one call over
+every such key chunk of the step), j = i with the causal mask (equal chunk sizes: the diagonal
+is aligned), j > i skipped (every key after every query). An explicit mask M (boolean, or
+additive float; a value of the data only: every rank holds it whole, [.., S, S]) is sliced per
+pair, M[.., rows of i, columns of j]; a pair it masks entirely is skipped, and a query row it
+masks entirely within one call contributes nothing (O = 0, lse = -inf).
 
 Backward, with the merged O_r and lse_r and the output gradient dO_r: per block,
 P_rj = exp(S_rj - lse_r), D_r = rowsum(dO_r * O_r), dS_rj = P_rj * (dO_r V_j^T - D_r) and
@@ -46,8 +49,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["block_attention", "block_attention_backward", "measure_waits", "merge", "ring_attention_forward",
-           "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
+__all__ = ["block_attention", "block_attention_backward", "measure_waits", "merge", "rank_chunks",
+           "ring_attention_forward", "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
 
 aten = torch.ops.aten
 
