@@ -522,7 +522,12 @@ def _overhead_line(result: dict) -> str:
         return ""
     return (f"\nfull recompute over ZeRO-3: measured +{fmt_time(o['measured_s'])} (median of the rounds' "
             f"differences; difference of the medians +{fmt_time(o['measured_difference_of_medians_s'])}), "
-            f"predicted +{fmt_time(o['predicted_s'])} (predicted / measured {o['predicted_over_measured']:.2f})")
+            f"predicted +{fmt_time(o['predicted_s'])} (predicted / measured {_ratio(o['predicted_over_measured'])})")
+
+
+def _ratio(value) -> str:
+    """A ratio to 2 decimals; "n/a" where there is none (JSON keeps NaN as null)."""
+    return "n/a" if value is None or value != value else f"{value:.2f}"
 
 
 def _sample_line(result: dict) -> str:
