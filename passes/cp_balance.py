@@ -94,10 +94,10 @@ def zigzag_shards(mesh) -> Iterator[None]:
     originals = {
         (Shard, "_replicate_to_shard"): Shard._replicate_to_shard,
         (Shard, "_to_replicate_tensor"): Shard._to_replicate_tensor,
-        (Shard, "_to_new_shard_dim"): Shard.__dict__["_to_new_shard_dim"],
+        (Shard, "_to_new_shard_dim"): Shard._to_new_shard_dim,
         (_StridedShard, "_replicate_to_strided_shard"): _StridedShard._replicate_to_strided_shard,
         (_StridedShard, "_to_replicate_tensor"): _StridedShard._to_replicate_tensor,
-        (Partial, "_reduce_shard_value"): Partial.__dict__["_reduce_shard_value"],
+        (Partial, "_reduce_shard_value"): Partial._reduce_shard_value,
     }
     size = mesh.size()
 
@@ -115,7 +115,7 @@ def zigzag_shards(mesh) -> Iterator[None]:
 
     def new_shard_dim(self, local, m, mesh_dim, shape, new_dim):
         if not ours(m):
-            return originals[Shard, "_to_new_shard_dim"].__func__(self, local, m, mesh_dim, shape, new_dim)
+            return originals[Shard, "_to_new_shard_dim"](self, local, m, mesh_dim, shape, new_dim)
         whole = shard_to_replicate(self, local, m, mesh_dim, shape)
         return _local(whole, new_dim, size, m.get_local_rank())
 
@@ -138,15 +138,15 @@ def zigzag_shards(mesh) -> Iterator[None]:
             tensor = to_rank_order(tensor, shard_spec.dim, size)
         elif ours(m):
             raise ZigzagError(f"a partial sum reduced to {shard_spec} over the CP ranks")
-        return originals[Partial, "_reduce_shard_value"].__func__(self, tensor, m, mesh_dim, shard_spec)
+        return originals[Partial, "_reduce_shard_value"](self, tensor, m, mesh_dim, shard_spec)
 
     patches = {
         (Shard, "_replicate_to_shard"): replicate_to_shard,
         (Shard, "_to_replicate_tensor"): shard_to_replicate,
-        (Shard, "_to_new_shard_dim"): staticmethod(new_shard_dim),
+        (Shard, "_to_new_shard_dim"): new_shard_dim,
         (_StridedShard, "_replicate_to_strided_shard"): replicate_to_strided,
         (_StridedShard, "_to_replicate_tensor"): strided_to_replicate,
-        (Partial, "_reduce_shard_value"): staticmethod(reduce_shard),
+        (Partial, "_reduce_shard_value"): reduce_shard,
     }
     for (cls, name), fn in patches.items():
         setattr(cls, name, fn)
