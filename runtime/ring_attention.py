@@ -87,16 +87,23 @@ def rank_chunks(rank: int, size: int, balanced: bool) -> tuple[int, ...]:
 
 
 def _groups(q_chunks, kv_chunks, causal: bool):
-    """The attention calls of one ring step: [(q sub-block, kv sub-blocks, causal)], the
-    sub-blocks local indices into the rank's chunks. Per query chunk: one call over every
-    key chunk before it (or every one, not causal), one causal call on its own chunk."""
+    """The attention calls of one ring step: [(query sub-blocks, key sub-blocks, causal)],
+    sub-blocks as local indices into the rank's chunks (adjacent ones: a contiguous range).
+    The rank's own K/V under a causal mask: one causal call (its chunks are in position order
+    and of equal size, so the local diagonal is the global one); else per query chunk one
+    call over the key chunks before it, query chunks attending the same keys merged."""
+    if causal and q_chunks == kv_chunks:
+        every = tuple(range(len(q_chunks)))
+        return [(every, every, True)]
     calls = []
     for a, qc in enumerate(q_chunks):
-        kinds = [block_kind(qc, kc, causal) for kc in kv_chunks]
-        full = tuple(b for b, k in enumerate(kinds) if k == FULL)
-        if full:
-            calls.append((a, full, False))
-        calls += [(a, (b,), True) for b, k in enumerate(kinds) if k == CAUSAL]
+        full = tuple(b for b, kc in enumerate(kv_chunks) if block_kind(qc, kc, causal) == FULL)
+        if not full:
+            continue
+        if calls and calls[-1][1] == full and calls[-1][0][-1] == a - 1:
+            calls[-1] = (calls[-1][0] + (a,), full, False)
+        else:
+            calls.append(((a,), full, False))
     return calls
 
 
@@ -176,28 +183,27 @@ def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     return out, new
 
 
-def block_mask(mask: torch.Tensor | None, q_chunk: int, kv_chunks: tuple[int, ...],
+def block_mask(mask: torch.Tensor | None, q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...],
                chunks: int) -> torch.Tensor | None:
-    """The whole mask's [.., rows of chunk ``q_chunk``, columns of ``kv_chunks``] (the sequence
-    in ``chunks`` equal chunks); None where no mask is given; ``SKIP`` where it masks every
+    """The whole mask's [.., rows of ``q_chunks``, columns of ``kv_chunks``] (the sequence in
+    ``chunks`` equal chunks); None where no mask is given; ``SKIP`` where it masks every
     entry."""
     if mask is None:
         return None
     seq = mask.shape[-1]
     mask = torch.broadcast_to(mask, (*mask.shape[:-2], seq, seq))  # a key-padding row [.., 1, S]
     c = seq // chunks
-    rows = mask[..., q_chunk * c:(q_chunk + 1) * c, :]
+    rows = torch.cat([mask[..., q * c:(q + 1) * c, :] for q in q_chunks], dim=-2)
     part = torch.cat([rows[..., k * c:(k + 1) * c] for k in kv_chunks], dim=-1)
     allowed = part if part.dtype == torch.bool else ~torch.isneginf(part)
     return part.contiguous() if bool(allowed.any()) else SKIP
 
 
-def _sub(x: torch.Tensor, blocks: tuple[int, ...], count: int) -> torch.Tensor:
-    """Sub-blocks ``blocks`` of ``x``'s local sequence (dim 2 of [b, h, s, d]) cut in ``count``."""
-    if count == 1:
-        return x
-    parts = x.chunk(count, dim=2)
-    return parts[blocks[0]] if len(blocks) == 1 else torch.cat([parts[b] for b in blocks], dim=2)
+def _range(blocks: tuple[int, ...], count: int, length: int) -> slice:
+    """The local positions of adjacent sub-blocks ``blocks`` of ``count`` in ``length``."""
+    width = length // count
+    assert list(blocks) == list(range(blocks[0], blocks[-1] + 1)), blocks
+    return slice(blocks[0] * width, (blocks[-1] + 1) * width)
 
 
 class _Ring:
@@ -210,43 +216,46 @@ class _Ring:
         self.chunks = size * self.per_rank
         self.q_chunks = rank_chunks(rank, size, balanced)
 
-    def calls(self, source: int):
-        """[(q sub-block, kv sub-blocks, causal, mask part)] against rank ``source``'s K/V."""
+    def calls(self, source: int, length: int):
+        """[(query positions, key positions, causal, mask part)] against rank ``source``'s K/V
+        (positions: slices of the rank's ``length`` local ones)."""
         kv_chunks = rank_chunks(source, self.size, self.balanced)
         out = []
-        for a, bs, causal in _groups(self.q_chunks, kv_chunks, self.causal):
-            part = block_mask(self.mask, self.q_chunks[a], tuple(kv_chunks[b] for b in bs), self.chunks)
+        for qs, bs, causal in _groups(self.q_chunks, kv_chunks, self.causal):
+            part = block_mask(self.mask, tuple(self.q_chunks[a] for a in qs), tuple(kv_chunks[b] for b in bs),
+                              self.chunks)
             if not isinstance(part, str):
-                out.append((a, bs, causal, part))
+                out.append((_range(qs, self.per_rank, length), _range(bs, self.per_rank, length), causal, part))
         return out
 
 
-def _forward_step(states, q, kv, ring: _Ring, source: int, scale):
-    """``states``: (O, lse) per query sub-block, merged with source's K/V block."""
+def _empty_state(q):
+    """(O, lse) before any block: 0 and -inf (a merge with it returns the block's own)."""
+    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
+
+
+def _forward_step(state, q, kv, ring: _Ring, source: int, scale):
+    """The running (O, lse) of this rank's queries, merged with rank ``source``'s K/V."""
     k, v = kv.chunk(2, dim=0)
-    n = ring.per_rank
-    states = list(states)
-    for a, bs, causal, part in ring.calls(source):
-        block = block_attention(_sub(q, (a,), n), _sub(k, bs, n), _sub(v, bs, n), causal, scale, part)
-        states[a] = merge(*states[a], *block)
-    return states
+    out, lse = state
+    for rows, cols, causal, part in ring.calls(source, q.shape[2]):
+        block = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale, part)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *block)
+    return out, lse
 
 
 def _backward_step(dq, dkv, dout, q, kv, out, lse, ring: _Ring, source: int, scale):
+    """dQ and the travelling (dK, dV) accumulator, added in place."""
     k, v = kv.chunk(2, dim=0)
-    n = ring.per_rank
-    if not ring.calls(source):
-        return dq, dkv
-    dqs = list(dq.chunk(n, dim=2))
-    dks, dvs = (list(g.chunk(n, dim=2)) for g in dkv.chunk(2, dim=0))
-    for a, bs, causal, part in ring.calls(source):
-        bq, bk, bv = block_attention_backward(_sub(dout, (a,), n), _sub(q, (a,), n), _sub(k, bs, n),
-                                              _sub(v, bs, n), _sub(out, (a,), n), lse.chunk(n, dim=2)[a],
-                                              causal, scale, part)
-        dqs[a] = dqs[a] + bq.float()
-        for j, (gk, gv) in zip(bs, zip(bk.chunk(len(bs), dim=2), bv.chunk(len(bs), dim=2))):
-            dks[j], dvs[j] = dks[j] + gk.float(), dvs[j] + gv.float()
-    return torch.cat(dqs, dim=2), torch.cat([torch.cat(dks, dim=2), torch.cat(dvs, dim=2)])
+    b = k.shape[0]
+    for rows, cols, causal, part in ring.calls(source, q.shape[2]):
+        bq, bk, bv = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                              out[:, :, rows], lse[:, :, rows], causal, scale, part)
+        dq[:, :, rows] += bq.float()
+        dkv[:b, :, cols] += bk.float()
+        dkv[b:, :, cols] += bv.float()
+    return dq, dkv
 
 
 def _check(q, k, v) -> None:
@@ -288,33 +297,16 @@ def ring_attention_forward(q, k, v, causal: bool, scale: float | None, group, ra
     link = _RingLink(group, rank, size)
     ring = _Ring(rank, size, causal, balanced, mask)
     kv = torch.cat([k, v])
-    states = [(None, None)] * ring.per_rank
+    out, lse = _empty_state(q)
     for t in range(size):
         wait = None
         if t < size - 1:  # the next block travels while this one is attended
             incoming, wait = link.start(kv)
-        states = _forward_step(states, q, kv, ring, (rank - t) % size, scale)
+        out, lse = _forward_step((out, lse), q, kv, ring, (rank - t) % size, scale)
         if wait is not None:
             wait()
             kv = incoming
-    out, lse = _finish(states, q)
     return out.to(q.dtype), lse
-
-
-def _finish(states, q):
-    """The merged (O, lse) of every query sub-block, concatenated; a sub-block every block
-    skipped (masked whole): O = 0, lse = -inf."""
-    parts = q.chunk(len(states), dim=2)
-    outs, lses = [], []
-    for (out, lse), part in zip(states, parts):
-        if out is None:
-            out = torch.zeros(part.shape, dtype=torch.float32, device=q.device)
-            lse = torch.full(part.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        outs.append(out)
-        lses.append(lse)
-    if len(states) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None, group,
@@ -349,11 +341,11 @@ def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, 
     n = len(qs)
     rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
     kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
-    states = [[(None, None)] * rings[0].per_rank for _ in range(n)]
+    states = [_empty_state(q) for q in qs]
     for t in range(n):
         states = [_forward_step(states[r], qs[r], kvs[r], rings[r], (r - t) % n, scale) for r in range(n)]
         kvs = [kvs[(r - 1) % n] for r in range(n)]
-    return [(o.to(q.dtype), lse) for (o, lse), q in ((_finish(st, q), q) for st, q in zip(states, qs))]
+    return [(o.to(q.dtype), lse) for (o, lse), q in zip(states, qs)]
 
 
 def simulate_ring_backward(douts, qs, ks, vs, outs, lses, causal: bool, scale: float | None = None,

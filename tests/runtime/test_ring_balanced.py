@@ -60,13 +60,15 @@ def test_balanced_ring_matches_sdpa(n, how):
 
 
 def _causal_pairs(rank: int, n: int, balanced: bool) -> float:
-    """(query chunk, key chunk) pairs rank ``rank`` attends over the ring (a diagonal: 1/2)."""
+    """(query chunk, key chunk) pairs rank ``rank`` attends over the ring (a diagonal: 1/2),
+    in pairs of chunks of S / 2n either way; each ring step is one attention call."""
     total = 0.0
     for source in range(n):
-        ring = ra._Ring(rank, n, True, balanced, None)
-        for _, bs, causal, _ in ring.calls(source):
-            total += 0.5 if causal else len(bs)
-    return total * (1 if balanced else 4)  # in pairs of chunks of S / 2n either way
+        calls = ra._groups(ra.rank_chunks(rank, n, balanced), ra.rank_chunks(source, n, balanced), True)
+        assert len(calls) <= 1, calls
+        for qs, bs, causal in calls:
+            total += len(qs) ** 2 / 2 if causal else len(qs) * len(bs)
+    return total * (1 if balanced else 4)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
