@@ -1,13 +1,14 @@
 """Context parallelism as a rewrite of the per-rank joint graph: the sequence split over cp ranks.
 
-Context parallelism is data parallelism over the sequence. The sequence is cut in 2n chunks
-and CP rank r of n holds chunks r and 2n-1-r (load-balanced: under a causal mask every rank
-attends the same number of (query, key) pairs; `passes.cp_balance`), or with ``balanced=False``
-the r-th contiguous block; parameters are replicated over cp. Every op that treats positions independently (embeddings, norms, matmuls, MLPs, the
-per-token loss) runs on the rank's positions alone; a weight's gradient is a sum over
-positions, so each rank's is a partial sum, all-reduced over cp (before the data-parallel
-reduction over dp, which sums over the batch the same way); a loss that is a mean or a ratio
-of sums over tokens is the ratio of the sums all-reduced over cp.
+Context parallelism is data parallelism over the sequence. The sequence is cut in 2n chunks and
+CP rank r of n holds chunks r and 2n-1-r (load-balanced: under a causal mask every rank attends
+the same number of (query, key) pairs; `passes.cp_balance`), or with ``balanced=False`` the
+r-th contiguous block; parameters are replicated over cp. Every op that treats positions
+independently (embeddings, norms, matmuls, MLPs, the per-token loss) runs on the rank's
+positions alone; a weight's gradient is a sum over positions, so each rank's is a partial sum,
+all-reduced over cp (before the data-parallel reduction over dp, which sums over the batch the
+same way); a loss that is a mean or a ratio of sums over tokens is the ratio of the sums
+all-reduced over cp.
 
 The pass runs the dp-local global joint graph once on DTensors over the 1-D "cp" mesh, as the
 tensor-parallel pass does over "tp": parameters and data replicated. Values of the data only
@@ -16,17 +17,16 @@ attention masks) are computed whole, as on one device; where one shaped [batch, 
 parameters or activations (token ids into the embedding) it enters as the rank's part of the
 sequence (``Shard(1)``: a local slice, no communication). Balanced, ``Shard`` on the cp mesh
 means the rank's two chunks while the graph is traced (`passes.cp_balance.zigzag_shards`): the
-global view stays in position order, so every slice, gather and output follows the chunks. DTensor's sharding propagation
-computes every op exactly on those placements: other data-only values are sliced where they
-meet the rank's positions; partial sums are all-reduced
-before an op not linear in them; an op that mixes positions (a slice shifting the sequence, a
-cumsum, a convolution along it) gathers the sequence first (correct, not parallel: listed as
-the plan's fallbacks, refused under ``strict``). The one op that must mix positions of
-activations and is not gathered is attention: each scaled-dot-product attention (causal,
-unmasked or under a mask of the data only; no dropout) and its backward are replaced by ring
-attention (`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results
-merged by the log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per
-block; the ops
+global view stays in position order, so every slice, gather and output follows the chunks.
+DTensor's sharding propagation computes every op exactly on those placements: other data-only
+values are sliced where they meet the rank's positions; partial sums are all-reduced before an
+op not linear in them; an op that mixes positions (a slice shifting the sequence, a cumsum, a
+convolution along it) gathers the sequence first (correct, not parallel: listed as the plan's
+fallbacks, refused under ``strict``). The one op that must mix positions of activations and is
+not gathered is attention: each scaled-dot-product attention (causal, unmasked or under a mask
+of the data only; no dropout) and its backward are replaced by ring attention
+(`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results merged by the
+log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per block; the ops
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
 
