@@ -154,20 +154,20 @@ class Pass:
     apply: Callable[[RankRewrite, Any], None]
 
 
-def recompute_choices(decisions: PlanDecisions) -> tuple[RecomputeChoice, ...]:
+def stage_choices(decisions: PlanDecisions) -> tuple[RecomputeChoice, ...]:
     """What each pipeline rank recomputes (one choice without a pipeline)."""
     return tuple(decisions.stage_recompute(r) for r in range(decisions.layout.pp))
 
 
 def _recomputing(decisions: PlanDecisions) -> bool:
-    return any(c.mode != "none" for c in recompute_choices(decisions))
+    return any(c.mode != "none" for c in stage_choices(decisions))
 
 
 def _recompute_part(decisions: PlanDecisions) -> RecomputePart:
     lay = decisions.layout
     block_rank = {b: c % lay.pp for c, (first, last) in enumerate(decisions.stages)
                   for b in range(first, last + 1)}
-    return RecomputePart(recompute_choices(decisions), block_rank, lay.regather)
+    return RecomputePart(stage_choices(decisions), block_rank, lay.regather)
 
 
 def _loss_denominators(state: RankRewrite, part: None) -> None:
@@ -338,7 +338,7 @@ def read_captured(graph, decisions: PlanDecisions) -> CapturedFacts:
         gm, signature = graph.gm, captured_signature(graph)
         forward_mm = {mm: w for w, mms in weight_matmuls(gm, signature).items() for mm in mms.forward}
         groups = heavy_groups(gm, layers, {n: i.module for n, i in analysis.nodes.items()}, forward_mm)
-        unknown = {g for c in recompute_choices(decisions) for g in c.outputs} - set(groups.values())
+        unknown = {g for c in stage_choices(decisions) for g in c.outputs} - set(groups.values())
         if unknown:
             raise UnsupportedLayoutError(
                 f"the plan recomputes {sorted(unknown)}, which this rank's graph does not have "
