@@ -195,12 +195,12 @@ def parallelize(
     unloaded = _to_dtensors(module, mesh, chosen.decisions, graph.aliases, held)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in state.signature.placeholder_of("param") if held is None or p in held]
-    return ParallelModule(module, _rank_graph(state, reduction), chosen.with_execution(report), mesh,
+    return ParallelModule(module, _rank_graph(state), chosen.with_execution(report), mesh,
                           shapes_in, canonical, local_batch=local_batch, unloaded=unloaded, original=model,
                           loss_fn=loss_fn, output_tree=graph.output_tree)
 
 
-def _rank_graph(state: RankRewrite, reduction: LossReduction | None) -> RankGraph:
+def _rank_graph(state: RankRewrite) -> RankGraph:
     """What the executor runs on this rank: the rewritten graph, what feeds it and reads it."""
     lay, signature = state.layout, state.signature
     inputs = list(signature.inputs) + state.accum_inputs
@@ -212,7 +212,7 @@ def _rank_graph(state: RankRewrite, reduction: LossReduction | None) -> RankGrap
         micro_batches=lay.grad_accum,
         accumulate_gm=state.accumulate_gm,
         buffer_index=signature.buffer_index,
-        reduction=reduction,
+        reduction=state.reduction,
         dp=lay.dp,
         dp_group=state.mesh["dp"].get_group() if lay.dp > 1 else None,
         pipeline=state.pipeline,
