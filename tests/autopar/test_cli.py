@@ -76,7 +76,7 @@ def test_dump_shows_the_collectives_of_the_plan(capsys):
 
 @pytest.mark.slow  # a benchmark's smoke run: benchmarks live apart from the default run
 def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monkeypatch):
-    from autopar.bench.runtime import format_runtime_bench, run_runtime_bench
+    from bench.runtime import format_runtime_bench, run_runtime_bench
 
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "cal.json"))
     result = run_runtime_bench(quick=True, world=2, progress=lambda _line: None)
