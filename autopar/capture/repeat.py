@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -218,6 +219,8 @@ def capture_repeated(model: nn.Module, example_inputs, trace: Callable[..., Trai
     stack = find_stack(model)
     if stack is None:
         return None, ""
+    if _tied_in_stack(model, stack):  # the shortened stack would not show the tie
+        return None, f"traced all {stack.count} blocks of {stack.path} (they do not repeat exactly: a tensor tied across blocks)"
     t0 = time.perf_counter()
     with traced_blocks(model, stack), watched_indices(model, stack) as read:
         try:
@@ -238,6 +241,17 @@ def capture_repeated(model: nn.Module, example_inputs, trace: Callable[..., Trai
         return None, f"traced all {stack.count} blocks of {stack.path} (repeating them failed: {exc!r})"
     note = f"traced {_TRACED} of the {stack.count} blocks of {stack.path}; the others repeat block 2"
     return replace(graph, capture_time_s=time.perf_counter() - t0, capture_note=note), note
+
+
+def _tied_in_stack(model: nn.Module, stack: BlockStack) -> bool:
+    """A tensor of the stack is shared under another name (with another block, or with a
+    module outside the stack). Only the four traced blocks' ties reach the traced graph, so
+    the check looks at the whole model: a tie with an untraced middle block would be lost."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                        model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), []).append(name)
+    return any(len(group) > 1 and any(stack.index(n) is not None for n in group) for group in names.values())
 
 
 def _val_sig(node: fx.Node):
