@@ -1,5 +1,5 @@
-"""A tensor tied between blocks the shortened stack does not trace (block 1 and block 4 of six)
-is seen on the whole model: the stack is traced whole, the graph is the full trace (one input,
+"""A tensor tied with a block the shortened stack does not trace (blocks 3 and 4 of six; block 3
+of five with block 1) is seen on the whole model: the stack is traced whole, the graph is the full trace (one input,
 the alias recorded) and the step's loss and gradients are the eager model's, the tied
 gradient summed over both uses."""
 
@@ -49,17 +49,17 @@ def _check_traced_whole(model: nn.Module, inputs, tied: str, canonical: str) -> 
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_plain_stack_tied_with_an_untraced_block_is_traced_whole():
+def test_plain_stack_tied_between_two_untraced_blocks_is_traced_whole():
     model = _Stack()
-    model.blocks[4].fc1.weight = model.blocks[1].fc1.weight
+    model.blocks[4].fc1.weight = model.blocks[3].fc1.weight
     g = torch.Generator().manual_seed(0)
     inputs = (torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 4, generator=g))
-    _check_traced_whole(model, inputs, "blocks.4.fc1.weight", "blocks.1.fc1.weight")
+    _check_traced_whole(model, inputs, "blocks.4.fc1.weight", "blocks.3.fc1.weight")
 
 
-def test_zoo_stack_tied_between_two_untraced_blocks_is_traced_whole():
-    cfg = dataclasses.replace(models.config("tiny-llama"), n_layers=6)
+def test_zoo_stack_tied_with_an_untraced_block_is_traced_whole():
+    cfg = dataclasses.replace(models.config("tiny-llama"), n_layers=5)
     model = models.build(cfg, seed=1)
-    model.layers[4].mlp.up_proj.weight = model.layers[3].mlp.up_proj.weight
+    model.layers[3].mlp.up_proj.weight = model.layers[1].mlp.up_proj.weight
     inputs = models.example_inputs(cfg, batch=2, seq=8)
-    _check_traced_whole(model, inputs, "layers.4.mlp.up_proj.weight", "layers.3.mlp.up_proj.weight")
+    _check_traced_whole(model, inputs, "layers.3.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight")
