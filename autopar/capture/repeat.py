@@ -19,7 +19,10 @@ It is exact, not an approximation: the result is the graph a full trace gives, n
 transformers families). Anything that would break that is checked on the traced graph, and
 the caller traces the whole model instead (`NotRepeatable`): blocks 1 and 2 not traced alike,
 a value outside the stack that reads a middle block (an auxiliary loss summed over layers),
-a parameter tied across blocks, nodes of two middle blocks interleaved.
+a parameter tied across blocks, nodes of two middle blocks interleaved, a block whose forward
+computes with its own index (`_WatchedIndex`: it may run other ops). Ties are looked up on
+the whole model before tracing: a tie with a block left out of the trace leaves no mark on it.
+The expansion itself, and what makes two blocks alike, is `_BlockExpansion`.
 """
 
 from __future__ import annotations
@@ -341,10 +344,12 @@ class _BlockExpansion:
     buffers' new values, then one gradient slot per primal input.
 
     Refused (`NotRepeatable`), since the copies would not be the full trace: a tensor tied
-    across blocks, a node reading blocks further apart, blocks 1 and 2 not alike, a node
-    outside the middle blocks reading them but as block 0 reads 1 and block 3 reads 2 (an
-    auxiliary loss summed over layers), interleaved middle-block nodes, outputs not laid out
-    as described.
+    across blocks; a node reading blocks further apart than neighbours; blocks 1 and 2 not
+    alike; a node outside the middle blocks reading one of their values, other than block 0
+    reading block 1 and block 3 reading block 2 (an auxiliary loss summed over layers), or
+    one of their tensors (only the output reads them: their gradients); middle-block nodes
+    interleaved otherwise than one block's run after the other's; outputs not laid out as
+    described.
     """
 
     seq: _SeqNumbers  # found by the checks
