@@ -14,12 +14,13 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import importlib
 import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from autopar.bench import BENCHES
 from autopar.errors import AutoparError, InputError
 from autopar.models.configs import ModelConfig, UnknownModelError
 from cost.layout import (
@@ -374,8 +375,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _benches() -> dict | None:
+    """The benchmarks' registry (`bench.BENCHES`), or None where there is none.
+
+    Benchmarks are not part of the installed package: they live in the repository's top-level
+    ``bench/`` folder, found beside the ``autopar`` package of a clone (an editable install, or
+    ``python -m autopar`` run in its root)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "__init__.py").is_file():
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("bench").BENCHES
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    result, table = BENCHES[args.what](args)
+    benches = _benches()
+    if benches is None:
+        raise InputError("the benchmarks are not installed with the package: they live in the "
+                         "repository's bench/ folder; fix: clone the repository, `pip install -e .` "
+                         "there and run `autopar bench ...` (or `python -m autopar bench ...`)")
+    if args.what not in benches:
+        raise InputError(f"no benchmark {args.what!r}; fix: one of {', '.join(sorted(benches))}")
+    result, table = benches[args.what](args)
     print(table)
     _write_json(args.json or f"results/bench-{args.what}.json", result)
     return 0
@@ -556,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dump)
 
     p = add("bench", help="benchmarks: tables plus JSON in results/")
-    p.add_argument("what", choices=sorted(BENCHES))
+    p.add_argument("what", choices=sorted(_benches() or {}) or None)
     p.add_argument("--quick", action="store_true", help="fewer points")
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
     p.add_argument("--calibration", help="runtime: predict with this `autopar calibrate` file "

@@ -291,7 +291,7 @@ class StepFacts:
         """Fused projections -> number of parts (q, k, v: 3)."""
         return self.params.tp_parts
 
-    # ---- read-only columns kept for the benches (autopar/bench/block.py, cost_model.py)
+    # ---- read-only columns kept for the benches (bench/block.py, cost_model.py)
     @property
     def layer(self) -> np.ndarray:
         """Per node block index (`NodeTable.layer`)."""

@@ -39,9 +39,8 @@ runtime feeds d w_k with sum over all pieces of w_k = 1 for a mean):
 - "mean": no ratio: w_k = 1 / P (every piece's mean weighs the same; uniform terms too);
 - "sum": the loss is extensive (``reduction="sum"``): w_k = 1;
 - "ratio": one data-only denominator D and otherwise only uniform terms, L = N / D + U:
-  w_k = D_k / D, since sum_k (D_k / D)(N_k / D_k + U) = N / D + U. Only the seed changes, so
-  tensor parallelism and pipelines carry it; a piece with D_k = 0 (all labels ignored) computes
-  0/0, so without TP and pipelines `for_layout` runs it as "global" instead;
+  w_k = D_k / D, since sum_k (D_k / D)(N_k / D_k + U) = N / D + U. A piece with D_k = 0 (all
+  labels ignored) would compute 0/0, so `for_layout` runs every "ratio" as "global";
 - "global": several denominators, or ratios beside means: every denominator node D_i is
   replaced by a new graph input fed D_i / P, D_i summed over all pieces before the step runs
   (`rewrite_denominators`). Piece k then computes c_i N_ik P / D_i, which averages (w_k = 1/P)
@@ -231,12 +230,12 @@ def analyze_loss(gm: fx.GraphModule, signature: GraphSignature) -> LossReduction
 
 
 def for_layout(reduction: LossReduction, tp: int, pp: int) -> LossReduction:
-    """The reduction to execute under a layout: a "ratio" becomes "global" where the graph runs
-    without tensor parallelism and pipelines (the step-wide normaliser fed in: a piece without
-    a valid label computes 0 / (D / P) = 0, as one device adds nothing for it, where "ratio"'s
-    0 / 0 is a NaN); under TP or pipelines (which do not feed normalisers) it stays "ratio", and
-    the runtime refuses a step with such an empty piece."""
-    if reduction.mode == "ratio" and tp == 1 and pp == 1:
+    """The reduction to execute: a "ratio" runs as "global" under every layout (the step-wide
+    normaliser fed in, divided by the pieces: a piece without a valid label computes
+    0 / (D / P) = 0, as one device adds nothing for it, where "ratio"'s seed-weighted 0 / 0 is
+    a NaN). ``tp`` and ``pp`` are kept for the callers: the fed normalisers run under tensor
+    parallelism and pipelines alike."""
+    if reduction.mode == "ratio":
         return LossReduction("global", counter=reduction.counter, denominators=list(reduction.denominators))
     return reduction
 

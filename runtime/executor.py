@@ -13,12 +13,10 @@ of the mean loss over the rank's batch. Where the loss divides by a batch sum (a
 valid tokens, class weights, a mask's sum: `passes.loss_reduction`) the seeds and the
 rewritten normalisers make the pieces add up to the one-device loss: the counter computes
 each micro-batch's normalisers before the step, summed over the micro-batches and all-reduced
-over the d data-parallel ranks (one all-reduce per step); a single normaliser N weights
-micro-batch k by its share, seed d * n_k / N (a piece with n_k = 0 while N > 0 would compute
-0/0: every rank raises `EmptyPieceError`), several are fed to the graph as N / (d m)
-(`LossReduction.mode`). The graph returns its loss weighted
-by the seed (`weight_loss_by_seed`), and the reported loss is the sum of the m weighted losses:
-the mean of the step, either way. With an
+over the d data-parallel ranks (one all-reduce per step), and the graph reads each as N / (d m)
+(`LossReduction.mode` "global"; a piece without a valid label then adds 0, as on one device).
+The graph returns its loss weighted by the seed (`weight_loss_by_seed`), and the reported loss
+is the sum of the m weighted losses: the mean of the step. With an
 ``accumulate_gm`` (DP and ZeRO-1: gradients are whole on every rank anyway) the first m-1
 micro-batches run it, without any gradient reduction, and the last runs ``gm``, which adds
 their sums (its "accum" inputs) and reduces once, as DDP's ``no_sync`` does; otherwise (ZeRO-2/3,
@@ -222,36 +220,18 @@ def _save_grads(ctx, grads: list) -> None:
     ctx.save_for_backward(*grads)
 
 
-class EmptyPieceError(ValueError):
-    """A "ratio" loss's normaliser is 0 in some micro-batch of some rank but not over the step:
-    that piece's N_k / D_k is 0/0, a NaN one device would not give."""
-
-
-def seed_weights(reduction, counts: list[torch.Tensor] | None, total: torch.Tensor | None,
-                 dp: int, m: int, empty: int = 0) -> list[float]:
+def seed_weights(reduction, dp: int, m: int) -> list[float]:
     """The loss's seed gradient per micro-batch, d w_k, for a `LossReduction` (the
     data-parallel pass divides it by d again; the weights w_k of all pieces add up to 1 for a
-    mean): "mean", "global" and None: w_k = 1 / (d m); "sum": w_k = 1; "ratio": w_k = n_k / N,
-    the micro-batch's share of the step's normaliser N (counts[k][0], total[0]).
-
-    ``empty``: how many pieces of the whole step (all ranks) have n_k = 0; with N > 0 a "ratio"
-    step raises `EmptyPieceError` (those pieces' losses are 0/0) rather than return a NaN."""
+    mean): "mean", "global" and None: w_k = 1 / (d m); "sum": w_k = 1. A "ratio" runs as
+    "global" (`passes.loss_reduction.for_layout`)."""
     mode = getattr(reduction, "mode", None)
     if mode in (None, "mean", "global"):
         return [1.0 / m] * m
     if mode == "sum":
         return [float(dp)] * m
-    t = float(total[0])
-    empty = max(empty, sum(float(c[0]) == 0 for c in counts))
-    if t and empty:
-        raise EmptyPieceError(
-            f"{empty} micro-batch(es) of this step have a zero loss normaliser (no valid label: all "
-            "-100, or a zero mask) while the step has some: their loss is 0/0 = nan, which one "
-            "device would not give. fix: a layout with tp=1 and pp=1 (there the normaliser is summed "
-            "over the step before it runs, exact with empty pieces), fewer micro-batches "
-            "(grad_accum) or data-parallel ranks, or batches without all-padding rows")
-    # no valid token in the whole step: one device's mean is 0/0 = nan, and so is this
-    return [dp * float(c[0]) / t if t else float("nan") for c in counts]
+    raise ValueError(f"a {mode!r} loss reduction reaches the runtime: run it through "
+                     "passes.loss_reduction.for_layout first")
 
 
 def _seeds(rank_graph: RankGraph, user_inputs: tuple, buffers: dict,
@@ -259,18 +239,14 @@ def _seeds(rank_graph: RankGraph, user_inputs: tuple, buffers: dict,
     """The loss's seed gradient per micro-batch (`seed_weights`) and, for a "global" reduction,
     the normalisers the graph reads: each summed over the step / (d m)."""
     m, reduction = rank_graph.micro_batches, rank_graph.reduction
+    seeds = seed_weights(reduction, rank_graph.dp, m)
     if getattr(reduction, "counter", None) is None:
-        return seed_weights(reduction, None, None, rank_graph.dp, m), None
+        return seeds, None
     counts = [reduction.counter(tuple(x.chunk(m)[k] for x in user_inputs), buffers) for k in range(m)]
-    # the normalisers summed over the micro-batches, then how many pieces have a zero first
-    # normaliser: one all-reduce makes both step-wide, so every rank raises or none does
-    empty = torch.tensor([sum(float(c[0]) == 0 for c in counts)], dtype=torch.float64)
-    total = torch.cat([torch.stack(counts).sum(0), empty]).to(device)
+    total = torch.stack(counts).sum(0).to(device)
     if rank_graph.dp > 1:  # float64: counts and class-weight sums add up exactly
         torch.distributed.all_reduce(total, group=rank_graph.dp_group)
-    total, empty = total.cpu()[:-1], int(total[-1])
-    seeds = seed_weights(reduction, counts, total, rank_graph.dp, m, empty)
-    return seeds, (total / (rank_graph.dp * m) if reduction.mode == "global" else None)
+    return seeds, total.cpu() / (rank_graph.dp * m)
 
 
 def run_step(rank_graph: RankGraph, params: Sequence[tuple[str, torch.Tensor]], buffers: dict,

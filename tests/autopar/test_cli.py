@@ -76,7 +76,7 @@ def test_dump_shows_the_collectives_of_the_plan(capsys):
 
 @pytest.mark.slow  # a benchmark's smoke run: benchmarks live apart from the default run
 def test_runtime_bench_quick_runs_and_compares_with_hand_written(tmp_path, monkeypatch):
-    from autopar.bench.runtime import format_runtime_bench, run_runtime_bench
+    from bench.runtime import format_runtime_bench, run_runtime_bench
 
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(tmp_path / "cal.json"))
     result = run_runtime_bench(quick=True, world=2, progress=lambda _line: None)
@@ -269,3 +269,12 @@ def test_argument_errors_answer_before_torch_is_imported():
     assert out.stdout.strip() == "no torch"
     n = len(EARLY_ERRORS)
     assert out.stderr.count("autopar: error:") == n and out.stderr.count("fix:") == n, out.stderr
+
+
+def test_bench_names_the_fix_where_the_benchmarks_are_not_installed(capsys, monkeypatch):
+    # a clone finds bench/ beside autopar/; an installed wheel has no such folder
+    assert "runtime" in cli._benches()
+    monkeypatch.setattr(cli, "_benches", lambda: None)
+    assert main(["bench", "runtime"]) == 2
+    err = capsys.readouterr().err
+    assert "bench/ folder" in err and "fix: clone the repository" in err

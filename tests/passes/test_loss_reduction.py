@@ -14,7 +14,7 @@ from autopar.capture.joint import capture
 from cost.plan_types import GraphSignature
 from passes.loss_reduction import DENOMINATOR, analyze_loss, for_layout, rewrite_denominators
 from runtime import executor
-from runtime.executor import EmptyPieceError, seed_weights
+from runtime.executor import seed_weights
 
 V = 7
 
@@ -98,17 +98,15 @@ def _batch(seed: int, b: int = 8, s: int = 5):
     return ids, labels
 
 
-def split_step(model: nn.Module, inputs: tuple, pieces: int, tp_or_pp: bool = True):
+def split_step(model: nn.Module, inputs: tuple, pieces: int):
     """The step as ``pieces`` pieces of the batch weighted and fed as the runtime does:
-    (loss, grads, mode). ``tp_or_pp``: as under tensor parallelism or a pipeline (a "ratio"
-    stays one), else as `for_layout` settles it without them."""
+    (loss, grads, the mode `analyze_loss` found); it runs the reduction `for_layout` settles."""
     micro = tuple(x.chunk(pieces)[0] for x in inputs)
     graph = capture(model, micro)
     sig = _signature(graph)
-    red = analyze_loss(graph.gm, sig)
-    assert red.mode != "unproven", red.why
-    if not tp_or_pp:
-        red = for_layout(red, tp=1, pp=1)
+    found = analyze_loss(graph.gm, sig)
+    assert found.mode != "unproven", found.why
+    red = for_layout(found, tp=2, pp=2)
     gm = graph.gm
     if red.mode == "global":
         sig = rewrite_denominators(gm, sig, red)
@@ -117,7 +115,7 @@ def split_step(model: nn.Module, inputs: tuple, pieces: int, tp_or_pp: bool = Tr
     chunks = [tuple(x.chunk(pieces)[k] for x in inputs) for k in range(pieces)]
     counts = [red.counter(c, buffers) for c in chunks] if red.counter else None
     total = sum(counts) if counts else None
-    seeds = seed_weights(red, counts, total, dp=1, m=pieces)
+    seeds = seed_weights(red, dp=1, m=pieces)
     loss, grads = 0.0, {}
     for k, chunk in enumerate(chunks):
         args = []
@@ -137,7 +135,7 @@ def split_step(model: nn.Module, inputs: tuple, pieces: int, tp_or_pp: bool = Tr
         for name, i in sig.grad_index.items():
             if out[i] is not None:
                 grads[name] = grads.get(name, 0) + out[i]
-    return loss, grads, red.mode
+    return loss, grads, found.mode
 
 
 def test_the_runtime_feeds_the_kind_the_pass_adds():
@@ -151,8 +149,8 @@ def _eager(model, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check(model, inputs, pieces, tp_or_pp=True):
-    loss, grads, mode = split_step(model, inputs, pieces, tp_or_pp)
+def _check(model, inputs, pieces):
+    loss, grads, mode = split_step(model, inputs, pieces)
     ref_loss, ref_grads = _eager(model, inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
@@ -289,16 +287,14 @@ def test_one_row_per_piece_still_refuses_ops_along_the_rows(loss):
 
 
 @pytest.mark.parametrize("loss", ["ce", "masked", "two", "ce_2d"])
-def test_a_piece_without_valid_labels_splits_exactly_without_tp_or_pp(loss):
-    """All labels of the second half are padding: its own token mean is 0/0, the step's is not."""
+def test_a_piece_without_valid_labels_splits_exactly(loss):
+    """All labels of the second half are padding: its own token mean is 0/0, the step's is not
+    (a "ratio" runs as "global" under every layout)."""
     LOSSES["ce_2d"] = lambda z, y, m: F.cross_entropy(z.transpose(1, 2), y)
     torch.manual_seed(0)
     ids, labels = _batch(4)
     labels[4:] = -100
-    assert _check(Net(loss), (ids, labels), pieces=2, tp_or_pp=False) == "global"
-    if loss != "two":  # under TP or a pipeline it stays a ratio: a clear error, not a NaN
-        with pytest.raises(EmptyPieceError, match="tp=1 and pp=1"):
-            split_step(Net(loss), (ids, labels), pieces=2)
+    assert _check(Net(loss), (ids, labels), pieces=2) == ("global" if loss == "two" else "ratio")
 
 
 def test_zoo_llama_with_an_all_padding_micro_batch_splits_exactly():
@@ -306,19 +302,24 @@ def test_zoo_llama_with_an_all_padding_micro_batch_splits_exactly():
     model = models.build("tiny-llama")
     ids, labels = models.example_inputs("tiny-llama", batch=4, seq=8)
     labels[2:] = -100
-    assert _check(model, (ids, labels), pieces=2, tp_or_pp=False) == "global"
+    assert _check(model, (ids, labels), pieces=2) == "ratio"
 
 
-def test_seed_weights_refuse_an_empty_piece_of_another_rank():
+def test_seed_weights_refuse_a_ratio_that_did_not_go_through_for_layout():
     class Ratio:
         mode = "ratio"
 
-    counts = [torch.tensor([3.0]), torch.tensor([2.0])]
-    assert seed_weights(Ratio(), counts, torch.tensor([10.0]), dp=2, m=2) == [0.6, 0.4]
-    with pytest.raises(EmptyPieceError):
-        seed_weights(Ratio(), counts, torch.tensor([10.0]), dp=2, m=2, empty=1)
-    nan = seed_weights(Ratio(), [torch.tensor([0.0])] * 2, torch.tensor([0.0]), dp=1, m=2)
-    assert all(w != w for w in nan)  # the whole step empty: one device's 0/0 too
+    with pytest.raises(ValueError, match="for_layout"):
+        seed_weights(Ratio(), dp=2, m=2)
+    assert seed_weights(None, dp=2, m=4) == [0.25] * 4
+
+
+def test_a_step_without_any_valid_label_is_nan_as_on_one_device():
+    torch.manual_seed(0)
+    ids, labels = _batch(4)
+    labels[:] = -100
+    loss, _, mode = split_step(Net("masked"), (ids, labels), pieces=2)
+    assert mode == "ratio" and torch.isnan(loss) and torch.isnan(Net("masked")(ids, labels))
 
 
 def _ce_per_token_bct(z, y, m):

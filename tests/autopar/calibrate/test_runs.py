@@ -63,7 +63,7 @@ def test_rows_whose_batch_disagrees_are_left_out_and_named(tmp_path):
 
 
 def test_the_playbook_file_reads_whole():
-    from autopar.bench.playbook import DEFAULT_RUNS
+    from bench.playbook import DEFAULT_RUNS
 
     runs = read_runs(DEFAULT_RUNS)
     keep, skipped = usable(runs)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from autopar.bench.playbook import (
+from bench.playbook import (
     LOMO,
     MODEL_TARGETS,
     ORACLE,

@@ -28,9 +28,9 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.bench.reference import reference_table
 from autopar.report import json_ready, table
 from autopar.search.step import step_facts
+from bench.reference import reference_table
 from cost import Cluster, Layout
 from cost.comm import DEFAULT_MESSAGE_BYTES, Group, bus_bandwidth
 from cost.memory import activation_bytes_formula

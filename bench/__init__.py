@@ -34,18 +34,18 @@ def _quick(args: argparse.Namespace) -> dict:
 
 
 BENCHES: dict[str, Bench] = {
-    "cost-model": Bench("autopar.bench.cost_model", "run_cost_model_bench",
+    "cost-model": Bench("bench.cost_model", "run_cost_model_bench",
                         "format_cost_model_bench", _quick),
-    "block-check": Bench("autopar.bench.block", "block_check", "format_block_check",
+    "block-check": Bench("bench.block", "block_check", "format_block_check",
                          lambda a: {"measured_path": a.measured} if a.measured else {}),
-    "solver": Bench("autopar.bench.solver", "run_solver_bench", "format_solver_bench", _quick),
-    "runtime": Bench("autopar.bench.runtime", "run_runtime_bench", "format_runtime_bench",
+    "solver": Bench("bench.solver", "run_solver_bench", "format_solver_bench", _quick),
+    "runtime": Bench("bench.runtime", "run_runtime_bench", "format_runtime_bench",
                      lambda a: {"quick": a.quick, "calibration": a.calibration}),
-    "playbook": Bench("autopar.bench.playbook", "run_playbook_bench", "format_playbook_bench",
+    "playbook": Bench("bench.playbook", "run_playbook_bench", "format_playbook_bench",
                       lambda a: {"path": a.runs, "quick": a.quick}),
-    "fp8": Bench("autopar.bench.fp8", "run_fp8_bench", "format_fp8_bench", _quick),
-    "published": Bench("autopar.bench.published", "run_published_bench",
+    "fp8": Bench("bench.fp8", "run_fp8_bench", "format_fp8_bench", _quick),
+    "published": Bench("bench.published", "run_published_bench",
                        "format_published_bench", _quick),
-    "recompute": Bench("autopar.bench.recompute", "run_recompute_bench",
+    "recompute": Bench("bench.recompute", "run_recompute_bench",
                        "format_recompute_bench", _quick),
 }

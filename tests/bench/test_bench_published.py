@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from autopar.bench.published import (
+from autopar.calibrate.runs import RunsError
+from bench.published import (
     LOSO,
     TARGETS,
     PublishedPricer,
@@ -16,8 +17,7 @@ from autopar.bench.published import (
     scores,
     textbook_price,
 )
-from autopar.bench.published_runs import COLUMNS, read_published, short_source
-from autopar.calibrate.runs import RunsError
+from bench.published_runs import COLUMNS, read_published, short_source
 from cost.params import CostParams
 
 

@@ -25,8 +25,8 @@ Rows, all in one run:
   the file holds one model.
 - ``autopar (fit on all cells)``: the shipped profile's parameters; in-sample.
 - ``autopar (unfitted defaults)``: `CostParams()` defaults, the model before calibration.
-- ``textbook``: `autopar.bench.textbook`, no fitting.
-- ``twin-blind oracle``: `autopar.bench.twin_oracle`, the measurements themselves, ZeRO-0 and
+- ``textbook``: `bench.textbook`, no fitting.
+- ``twin-blind oracle``: `bench.twin_oracle`, the measurements themselves, ZeRO-0 and
   ZeRO-1 twins (the same bytes on the wire) priced alike: a ceiling, what the runs allow a
   cost model to reach. The acceptance check says which targets it reaches.
 """
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.bench.textbook import textbook
-from autopar.bench.twin_oracle import expected_regret, twin_oracle
 from autopar.calibrate.fit import fit_params
 from autopar.calibrate.runs import Run, RunPricer, read_runs, skipped_note, usable
+from bench.textbook import textbook
+from bench.twin_oracle import expected_regret, twin_oracle
 from cost.params import CostParams
 
 # a copy of shared/reference/playbook-runs-1b-8b.csv, shipped so that the fit can be redone

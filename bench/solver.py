@@ -37,12 +37,12 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.bench.reference import reference_table
 from autopar.models import ModelConfig
 from autopar.report import fmt_count, fmt_time, json_ready, table
 from autopar.search.manual import best_manual
 from autopar.search.solver import NoFeasiblePlanError
 from autopar.search.step import step_facts
+from bench.reference import reference_table
 from cost import Cluster
 
 SEQ = 4096

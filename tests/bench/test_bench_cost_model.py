@@ -1,7 +1,7 @@
 """The cost-model bench against the playbook's published numbers (quick mode, 1B/3B models).
 
 Reference values are repeated here from shared/reference/playbook-facts.md on purpose: the
-checks do not trust the bench's own copy (autopar/bench/data/cost_model.json) or its own
+checks do not trust the bench's own copy (bench/data/cost_model.json) or its own
 "within" flags, and check that copy against these.
 """
 
@@ -13,8 +13,8 @@ import math
 import pytest
 
 from autopar import models
-from autopar.bench import cost_model as bench
-from autopar.bench.cost_model import (
+from bench import cost_model as bench
+from bench.cost_model import (
     BY_CONSTRUCTION,
     HELD_OUT,
     IN_SAMPLE,

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 from autopar import models
+from cost.cluster import PROFILE_DIR
 from cost.layout import Layout
 
 PEAK_BF16 = 989.5e12  # H100 SXM dense bf16 (datasheet; the playbook's MFU peak)
@@ -30,7 +30,7 @@ DP_EXPOSED = 0.30
 NVLINK_BUSBW = 250e9  # the playbook's 1-node all-gather / reduce-scatter busbw
 CAPACITY = 80e9
 RESERVE = 1.5e9
-_BUSBW = json.loads((Path(__file__).parents[2] / "cost" / "profiles" / "h100_efa_busbw.json").read_text())
+_BUSBW = json.loads((PROFILE_DIR / "h100_efa_busbw.json").read_text())
 
 
 def _busbw(kind: str, nodes: int) -> float:

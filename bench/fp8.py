@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import autopar
 from autopar import models
-from autopar.bench.reference import reference_table
 from autopar.report import fmt_time, table
+from bench.reference import reference_table
 from cost import Cluster, Layout
 
 

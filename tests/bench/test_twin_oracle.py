@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from autopar.bench.twin_oracle import expected_regret, twin_oracle
 from autopar.calibrate.runs import Run
+from bench.twin_oracle import expected_regret, twin_oracle
 from cost.layout import Layout
 
 

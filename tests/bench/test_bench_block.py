@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from autopar.bench.block import (
+from bench.block import (
     DEFAULT_MEASURED,
     HELD_OUT,
     IN_SAMPLE,

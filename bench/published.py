@@ -1,7 +1,7 @@
 """`autopar bench published`: does the cost model price other groups' runs it was not fitted on?
 
 The calibration file (``shared/reference/published-runs-calibration.csv``, shipped as
-``data/published-runs-calibration.csv``; `autopar.bench.published_runs` reads it) holds runs of
+``data/published-runs-calibration.csv``; `bench.published_runs` reads it) holds runs of
 four sources and one BLOOM row: llm-foundry (FSDP, MPT models, A100 and H100), Narayanan et al.
 (Megatron-LM, A100-80GB), Megatron-Bridge and NeMo (tuned recipes, H100 and B200). Every run is
 priced by `cost.step.predict` with the shipped cluster profile of its GPU kind
@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from autopar import models
-from autopar.bench.playbook import spearman
-from autopar.bench.published_runs import PublishedRun, read_published
 from autopar.calibrate.fit import fit_params
 from autopar.calibrate.runs import RunPricer
+from bench.playbook import spearman
+from bench.published_runs import PublishedRun, read_published
 from cost.cluster import H100_EFA_FIT, Cluster
 from cost.params import CostParams
 from cost.profile import load_profile
@@ -88,7 +88,7 @@ class PublishedPricer(RunPricer):
 
 
 def textbook_price(run: PublishedRun, cluster: Cluster) -> tuple[float, float]:
-    """(tok/s/GPU, bytes of the fullest GPU) by `autopar.bench.textbook`'s formulas at the run's
+    """(tok/s/GPU, bytes of the fullest GPU) by `bench.textbook`'s formulas at the run's
     GPU: 6N + 12·L·h·s FLOPs per token (8N + 12·L·h·s with full recompute: the forward twice)
     at 55 % of the dense peak of its precision; a (p-1)/m pipeline bubble; TP traffic
     8·s·b·h bytes per block per micro-batch at the NVLink busbw; DP gradients at the network's

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from autopar import models
-from autopar.bench.solver import (
+from autopar.search.manual import best_manual
+from autopar.search.step import step_facts
+from bench.solver import (
     AUTOPARALLEL,
     COVERAGE,
     COVERAGE_NOTE,
@@ -30,8 +32,6 @@ from autopar.bench.solver import (
     sanity_checks,
     solve_row,
 )
-from autopar.search.manual import best_manual
-from autopar.search.step import step_facts
 from cost import Cluster
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.bench.reference import (
+from bench.reference import (
     ReferenceDataError,
     check_sources,
     load_reference,

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from autopar.bench.playbook import (
+from autopar.calibrate.runs import Run
+from bench.playbook import (
     ORACLE,
     cell_scores,
     format_playbook_bench,
@@ -14,8 +15,7 @@ from autopar.bench.playbook import (
     spearman,
     summarize,
 )
-from autopar.bench.textbook import textbook
-from autopar.calibrate.runs import Run
+from bench.textbook import textbook
 from cost.layout import Layout
 
 
