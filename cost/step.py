@@ -64,12 +64,13 @@ from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
 from cost.terms.pipeline_parallel import loss_broadcast, p2p_time, pipeline_time, shared_host_factor
 from cost.terms.recompute import (
-    choose_auto,
     columns,
     fixed_choice,
+    knapsack_choice,
     local_block_input_bytes,
     local_saved_bytes,
     rerun_per_stage,
+    stage_choices_apart,
     staged_activation_memory,
     staged_rerun,
 )
@@ -353,9 +354,13 @@ def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tup
         room = room - 2.0 * (largest.max() - largest)
         # a recomputing stage that keeps its SP gathers holds them too (`Layout.regather`)
         room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight
+        # the first rules for all stages at once; the knapsack for the stages they leave open
+        easy = stage_choices_apart(facts, local, saved_stage, flight, room)
         facts._memo[key] = tuple(
-            choose_auto(facts, local * (saved_stage == s), np.zeros_like(saved_stage), np.array([_flight(lay, s)]),
-                        room[s:s + 1], np.zeros_like(node_stage), times * (node_stage == s), (fwd + bwd)[s:s + 1])
+            easy[s] if easy[s] is not None else
+            knapsack_choice(facts, local * (saved_stage == s), np.zeros_like(saved_stage),
+                            np.array([_flight(lay, s)]), room[s:s + 1], np.zeros_like(node_stage),
+                            times * (node_stage == s), (fwd + bwd)[s:s + 1])
             for s in range(lay.pp))
     return facts._memo[key]
 

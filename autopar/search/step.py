@@ -17,7 +17,7 @@ from torch import nn
 from autopar.analysis.graph import GraphAnalysis, analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
 from autopar.capture.joint import TrainingGraph, capture
-from autopar.search.facts import build_step_facts
+from autopar.search.facts import GraphParts, build_step_facts, graph_parts
 from autopar.strategies.tp_ilp import ILPResult, solve_tp_roles
 from autopar.strategies.tp_recipe import TPRecipe, find_tp_recipe
 from cost import Cluster, Layout
@@ -37,13 +37,17 @@ class CapturedStep:
     _facts: dict = field(default_factory=dict, repr=False)
     _ilp: dict = field(default_factory=dict, repr=False)
     _recipe: TPRecipe | None = field(default=None, repr=False)
+    _parts: GraphParts | None = field(default=None, repr=False)
 
     def facts(self, roles: dict[str, str] | None = None) -> StepFacts:
         """Cost facts with Megatron's TP roles, or with ``roles`` where given."""
         key = tuple(sorted((roles or {}).items()))
         if key not in self._facts:
+            if self._parts is None:  # what every recipe's facts share
+                self._parts = graph_parts(self.graph, self.analysis, self.fused)
             self._facts[key] = build_step_facts(self.graph, self.analysis, self.config,
-                                                fused=self.fused, roles=roles)
+                                                fused=self.fused, roles=roles, parts=self._parts,
+                                                recipe=None if roles else self.recipe)
         return self._facts[key]
 
     @property

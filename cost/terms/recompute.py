@@ -285,9 +285,78 @@ def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: 
     for choice in (RecomputeChoice("none"), RecomputeChoice("selective")):
         if fits(choice):
             return choice
-    groups = facts.recompute_groups
-    if not groups or not fits(RecomputeChoice("full")):
+    if not facts.recompute_groups or not fits(RecomputeChoice("full")):
         return RecomputeChoice("full")
+    return knapsack_choice(facts, local, stage, flight, room, node_stage, times, stage_base_s)
+
+
+def stage_choices_apart(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
+                        flight: np.ndarray, room: np.ndarray) -> list[RecomputeChoice | None]:
+    """`choose_auto`'s first rules for every pipeline stage s on its own (its rows of
+    ``local`` alone, stage index ``stage``, ``flight[s]``, ``room[s]``), all stages at once:
+    none if it fits s, else selective if it fits, else full when selective plus every group
+    does not fit (or there are no groups); None where the knapsack must choose.
+
+    Each stage's sums, maxima and running sums are taken over its own rows in the same order
+    as `choose_auto` on the masked rows (the other rows add exact zeros), so the answer is
+    bit for bit the one stage by stage."""
+    pp = len(room)
+    out: list[RecomputeChoice | None] = [None] * pp
+    open_ = np.ones(pp, dtype=bool)
+    for choice in (RecomputeChoice("none"), RecomputeChoice("selective")):
+        ok = open_ & _fits_apart(facts, local, stage, flight, room, choice)
+        for s in np.flatnonzero(ok):
+            out[s] = choice
+        open_ &= ~ok
+        if not open_.any():
+            return out
+    full = RecomputeChoice("full")
+    last = np.ones(pp, dtype=bool) if not facts.recompute_groups else \
+        ~_fits_apart(facts, local, stage, flight, room, full)
+    for s in np.flatnonzero(open_ & last):
+        out[s] = full
+    return out
+
+
+def _fits_apart(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: np.ndarray,
+                room: np.ndarray, choice: RecomputeChoice) -> np.ndarray:
+    """Per stage: whether ``choice`` fits it on its own rows (`stage_choices_apart`)."""
+    pp = len(room)
+    cols = columns(facts, choice)
+    kept = local * cols.kept
+    per_stage = np.bincount(stage, weights=kept, minlength=pp)
+    transient = transient_bytes(facts, kept, stage, pp) if len(local) else np.zeros(pp)
+    transient = transient + _rebuilt_peaks_apart(local, stage, pp, choice_sweep(facts, choice))
+    return per_stage * flight + transient <= room
+
+
+def _rebuilt_peaks_apart(local: np.ndarray, group: np.ndarray, groups: int,
+                         sweep: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """`rebuilt_peak` of each group's rows alone: one running sum per group over its own
+    events (`rebuilt_peaks` runs one sum over every group's)."""
+    out = np.zeros(groups)
+    rows, order = sweep
+    if not len(rows):
+        return out
+    delta = np.concatenate([local[rows], -local[rows]])[order]
+    owner = np.concatenate([group[rows], group[rows]])[order]
+    for g in np.unique(owner):
+        out[g] = max(0.0, float(np.cumsum(delta[owner == g]).max()))
+    return out
+
+
+def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: np.ndarray,
+                    room: np.ndarray, node_stage: np.ndarray, times: np.ndarray,
+                    stage_base_s: np.ndarray) -> RecomputeChoice:
+    """`choose_auto` where neither none nor selective fits and full does: the fastest
+    selective + C that fits (the module docstring's knapsack), else full."""
+    pp = len(room)
+
+    def fits(choice: RecomputeChoice) -> bool:
+        per_stage, transient = activation_memory(facts, local, stage, pp, choice)
+        return bool(np.all(per_stage * flight + transient <= room))
+
+    groups = facts.recompute_groups
     # each group's bytes freed per stage (flight included) and seconds added per stage
     sel = columns(facts, RecomputeChoice("selective"))
     kept_g, rerun_g = facts.saved.kept_groups, facts.nodes.rerun_groups
