@@ -56,6 +56,7 @@ from cost.terms.compute import (
     slot_stages,
     stage_of,
     step_node_times,
+    times_key,
     virtual_stages,
 )
 from cost.terms.context_parallel import cp_exposed
@@ -356,11 +357,16 @@ def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tup
         room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight
         # the first rules for all stages at once; the knapsack for the stages they leave open
         easy = stage_choices_apart(facts, local, saved_stage, flight, room)
+        # a stage's knapsack reads its rows, nodes and times: the same for every layout that
+        # differs in room or flight only (ZeRO, schedule), which share its cache
+        cut = slot_stages(facts, cluster, lay).tobytes() if lay.pp > 1 else b""
+        shared = ("knapsack", times_key(facts, cluster, lay), cluster.params, lay.pp, cut)
         facts._memo[key] = tuple(
             easy[s] if easy[s] is not None else
             knapsack_choice(facts, local * (saved_stage == s), np.zeros_like(saved_stage),
                             np.array([_flight(lay, s)]), room[s:s + 1], np.zeros_like(node_stage),
-                            times * (node_stage == s), (fwd + bwd)[s:s + 1])
+                            times * (node_stage == s), (fwd + bwd)[s:s + 1],
+                            facts._memo.setdefault((*shared, s), {}))
             for s in range(lay.pp))
     return facts._memo[key]
 

@@ -74,13 +74,14 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
     Memoised per (cluster, tp, cp, sp, micro-batch, precision): the search re-uses it.
     """
     layout = resolved(facts, cluster, layout)
-    key = _times_key(facts, cluster, layout)
+    key = times_key(facts, cluster, layout)
     if key not in facts._memo:
         facts._memo[key] = _node_times(facts, cluster, layout)
     return facts._memo[key]
 
 
-def _times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
+def times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
+    """What `node_times` depends on: equal keys, equal node times."""
     return ("times", cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
             cluster.params.attention_efficiency,
             layout.tp, layout.cp, layout.sp, layout.microbatch, facts.batch, layout.precision,
@@ -171,7 +172,7 @@ def fp8_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[str,
         return tuple(layout.fp8)
     if "fp8" not in cluster.gpu.peak_flops and not cluster.gpu.is_cpu:
         return ()  # no FP8 tensor cores (A100): nothing to gain
-    key = ("fp8_choice", *_times_key(facts, cluster, layout))
+    key = ("fp8_choice", *times_key(facts, cluster, layout))
     if key not in facts._memo:
         high = node_times(facts, cluster, layout.replace(fp8="none"))
         low = node_times(facts, cluster, layout.replace(fp8="all"))
@@ -221,7 +222,7 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     layout = resolved(facts, cluster, layout)
     n_layers = max(facts.n_layers, 0)
     chunks = layout.pp * virtual_stages(layout)
-    key = ("chunk_map", chunks, *_times_key(facts, cluster, layout))
+    key = ("chunk_map", chunks, *times_key(facts, cluster, layout))
     if key not in facts._memo:
         if n_layers == 0 or chunks == 1:
             facts._memo[key] = (None, np.zeros(n_layers + 2, dtype=int))

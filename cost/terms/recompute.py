@@ -347,28 +347,36 @@ def _rebuilt_peaks_apart(local: np.ndarray, group: np.ndarray, groups: int,
 
 def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: np.ndarray,
                     room: np.ndarray, node_stage: np.ndarray, times: np.ndarray,
-                    stage_base_s: np.ndarray) -> RecomputeChoice:
+                    stage_base_s: np.ndarray, cache: dict | None = None) -> RecomputeChoice:
     """`choose_auto` where neither none nor selective fits and full does: the fastest
-    selective + C that fits (the module docstring's knapsack), else full."""
+    selective + C that fits (the module docstring's knapsack), else full.
+
+    ``cache``: a dict the caller keeps per (``local``, ``stage``, ``node_stage``, ``times``,
+    ``stage_base_s``): it holds what is computed here from those alone (each choice's saved
+    and transient bytes, each group's bytes freed and seconds added), so that layouts that
+    differ only in ``room`` and ``flight`` (ZeRO, schedule) share them; the same values."""
     pp = len(room)
+    c = cache if cache is not None else {}
 
     def fits(choice: RecomputeChoice) -> bool:
-        per_stage, transient = activation_memory(facts, local, stage, pp, choice)
+        per_stage, transient = _stage_memory(facts, local, stage, pp, choice, c)
         return bool(np.all(per_stage * flight + transient <= room))
 
     groups = facts.recompute_groups
-    # each group's bytes freed per stage (flight included) and seconds added per stage
-    sel = columns(facts, RecomputeChoice("selective"))
-    kept_g, rerun_g = facts.saved.kept_groups, facts.nodes.rerun_groups
-    freed_rows = (sel.kept[:, None] & ~kept_g) * local[:, None]
-    added_rows = (kept_g & ~sel.kept[:, None]) * local[:, None]
-    onehot = np.eye(pp)[stage]  # rows x stages
-    freed = ((freed_rows - added_rows).T @ onehot) * flight  # groups x stages
-    extra_nodes = rerun_g & ~sel.rerun[:, None]
-    seconds = (extra_nodes * times[:, None]).T @ np.eye(pp)[node_stage]  # groups x stages
-    base_s = stage_base_s + rerun_per_stage(node_stage, times, sel.rerun, pp)
+    if "freed" not in c:
+        # each group's bytes freed per stage (before flight) and seconds added per stage
+        sel = columns(facts, RecomputeChoice("selective"))
+        kept_g, rerun_g = facts.saved.kept_groups, facts.nodes.rerun_groups
+        freed_rows = (sel.kept[:, None] & ~kept_g) * local[:, None]
+        added_rows = (kept_g & ~sel.kept[:, None]) * local[:, None]
+        onehot = np.eye(pp)[stage]  # rows x stages
+        extra_nodes = rerun_g & ~sel.rerun[:, None]
+        c["freed"] = (freed_rows - added_rows).T @ onehot  # groups x stages
+        c["seconds"] = (extra_nodes * times[:, None]).T @ np.eye(pp)[node_stage]  # groups x stages
+        c["base_s"] = stage_base_s + rerun_per_stage(node_stage, times, sel.rerun, pp)
+    freed, seconds, base_s = c["freed"] * flight, c["seconds"], c["base_s"]
     useful = [i for i in range(len(groups)) if freed[i].max() > 0]
-    sel_per_stage, sel_transient = activation_memory(facts, local, stage, pp, RecomputeChoice("selective"))
+    sel_per_stage, sel_transient = _stage_memory(facts, local, stage, pp, RecomputeChoice("selective"), c)
     need = sel_per_stage * flight + sel_transient - room  # bytes to free per stage (> 0 somewhere)
     if len(useful) <= MAX_EXACT_GROUPS:
         subsets = np.array(list(itertools.product((0, 1), repeat=len(useful))), dtype=float)
@@ -387,6 +395,14 @@ def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flig
         if fits(choice):
             return choice
     return RecomputeChoice("full")
+
+
+def _stage_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,
+                  choice: RecomputeChoice, cache: dict) -> tuple[np.ndarray, float]:
+    """`activation_memory` of ``choice``, kept in ``cache`` (`knapsack_choice`)."""
+    if choice not in cache:
+        cache[choice] = activation_memory(facts, local, stage, pp, choice)
+    return cache[choice]
 
 
 def _normalised(facts: StepFacts, choice: RecomputeChoice) -> RecomputeChoice:
