@@ -73,10 +73,7 @@ def fixed_choice(facts: StepFacts, layout: Layout) -> RecomputeChoice:
 def columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
     """The kept, rebuilt and rerun rows of ``choice`` (the module docstring's composition;
     memoised: they depend on the graph alone)."""
-    key = ("columns", choice)
-    if key not in facts._memo:
-        facts._memo[key] = _columns(facts, choice)
-    return facts._memo[key]
+    return facts.cache.get("columns", (choice,), lambda: _columns(facts, choice))
 
 
 def _columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
@@ -134,12 +131,14 @@ def rebuilt_sweep(spans: np.ndarray, layer: np.ndarray) -> tuple[np.ndarray, np.
 def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     """Bytes of each `SavedTable` row on one device for one micro-batch, as the caching
     allocator holds them (`CostParams.activation_fragmentation`); memoised, read-only."""
-    key = ("local_saved", layout.tp, layout.sp, layout.microbatch, layout.cp, facts.batch,
+    key = (layout.tp, layout.sp, layout.microbatch, layout.cp, facts.batch,
            cluster.params.activation_fragmentation)
-    if key not in facts._memo:
-        facts._memo[key] = _local_saved_bytes(facts, cluster, layout)
-        facts._memo[key].flags.writeable = False
-    return facts._memo[key]
+
+    def build() -> np.ndarray:
+        local = _local_saved_bytes(facts, cluster, layout)
+        local.flags.writeable = False
+        return local
+    return facts.cache.get("local_saved", key, build)
 
 
 def _local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -220,10 +219,8 @@ def local_block_input_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) 
 
 def choice_sweep(facts: StepFacts, choice: RecomputeChoice) -> tuple[np.ndarray, np.ndarray]:
     """`rebuilt_sweep` of ``choice``'s columns (memoised: it depends on the graph alone)."""
-    key = ("rebuilt_sweep", choice)
-    if key not in facts._memo:
-        facts._memo[key] = rebuilt_sweep(columns(facts, choice).rebuilt, facts.saved.layer)
-    return facts._memo[key]
+    return facts.cache.get("rebuilt_sweep", (choice,),
+                           lambda: rebuilt_sweep(columns(facts, choice).rebuilt, facts.saved.layer))
 
 
 def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
