@@ -56,6 +56,7 @@ from cost.terms.compute import (
     slot_stages,
     stage_of,
     step_node_times,
+    times_key,
     virtual_stages,
 )
 from cost.terms.context_parallel import cp_exposed
@@ -64,12 +65,13 @@ from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
 from cost.terms.pipeline_parallel import loss_broadcast, p2p_time, pipeline_time, shared_host_factor
 from cost.terms.recompute import (
-    choose_auto,
     columns,
     fixed_choice,
+    knapsack_choice,
     local_block_input_bytes,
     local_saved_bytes,
     rerun_per_stage,
+    stage_choices_apart,
     staged_activation_memory,
     staged_rerun,
 )
@@ -327,37 +329,47 @@ def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tup
     lay = resolved(facts, cluster, layout)
     if lay.recompute != "auto":
         return (fixed_choice(facts, lay),) * lay.pp
-    key = ("recompute_choices", lay, cluster.gpu.name, cluster.gpu.memory_bytes, cluster.params,
-           cluster.world_size)
-    if key not in facts._memo:
-        rec = recipe(lay.precision, lay.fp32_grad_accum)
-        params_stage = params_per_stage(facts, cluster, lay)
-        none = (RecomputeChoice("none"),) * lay.pp
-        fixed = [b.total - b.activations for b in _memory(facts, cluster, lay, rec, params_stage,
-                                                          none, transient=False)]
-        room = cluster.gpu.memory_bytes - np.array(fixed)
-        times = step_node_times(facts, cluster, lay)
-        fwd, bwd = compute_per_stage(facts, cluster, lay, times)
-        local = local_saved_bytes(facts, cluster, lay)
-        saved_stage = stage_of(facts, facts.saved.layer, cluster, lay)
-        node_stage = node_stages(facts, cluster, lay)
-        kept, transient = staged_activation_memory(facts, local, saved_stage, none)
-        flight = np.array([_flight(lay, s) for s in range(lay.pp)])
-        if np.all(kept * flight + transient <= room):  # no stage needs to recompute
-            facts._memo[key] = none
-            return none
-        # each stage alone: its rows and nodes; the step's largest value counts on every stage
-        # (`staged_activation_memory`), so a stage whose own largest is smaller has less room
-        largest = np.zeros(lay.pp)
-        np.maximum.at(largest, saved_stage, local * columns(facts, none[0]).kept)
-        room = room - 2.0 * (largest.max() - largest)
-        # a recomputing stage that keeps its SP gathers holds them too (`Layout.regather`)
-        room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight
-        facts._memo[key] = tuple(
-            choose_auto(facts, local * (saved_stage == s), np.zeros_like(saved_stage), np.array([_flight(lay, s)]),
-                        room[s:s + 1], np.zeros_like(node_stage), times * (node_stage == s), (fwd + bwd)[s:s + 1])
-            for s in range(lay.pp))
-    return facts._memo[key]
+    key = (lay, cluster.gpu.name, cluster.gpu.memory_bytes, cluster.params, cluster.world_size)
+    return facts.cache.get("recompute_choices", key, lambda: _auto_choices(facts, cluster, lay))
+
+
+def _auto_choices(facts: StepFacts, cluster: Cluster, lay: Layout) -> tuple[RecomputeChoice, ...]:
+    """`recompute_choices` under "auto" (``lay`` resolved)."""
+    rec = recipe(lay.precision, lay.fp32_grad_accum)
+    params_stage = params_per_stage(facts, cluster, lay)
+    none = (RecomputeChoice("none"),) * lay.pp
+    fixed = [b.total - b.activations for b in _memory(facts, cluster, lay, rec, params_stage,
+                                                      none, transient=False)]
+    room = cluster.gpu.memory_bytes - np.array(fixed)
+    times = step_node_times(facts, cluster, lay)
+    fwd, bwd = compute_per_stage(facts, cluster, lay, times)
+    local = local_saved_bytes(facts, cluster, lay)
+    saved_stage = stage_of(facts, facts.saved.layer, cluster, lay)
+    node_stage = node_stages(facts, cluster, lay)
+    kept, transient = staged_activation_memory(facts, local, saved_stage, none)
+    flight = np.array([_flight(lay, s) for s in range(lay.pp)])
+    if np.all(kept * flight + transient <= room):  # no stage needs to recompute
+        return none
+    # each stage alone: its rows and nodes; the step's largest value counts on every stage
+    # (`staged_activation_memory`), so a stage whose own largest is smaller has less room
+    largest = np.zeros(lay.pp)
+    np.maximum.at(largest, saved_stage, local * columns(facts, none[0]).kept)
+    room = room - 2.0 * (largest.max() - largest)
+    # a recomputing stage that keeps its SP gathers holds them too (`Layout.regather`)
+    room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight
+    # the first rules for all stages at once; the knapsack for the stages they leave open
+    easy = stage_choices_apart(facts, local, saved_stage, flight, room)
+    # a stage's knapsack reads its rows, nodes and times: the same for every layout that
+    # differs in room or flight only (ZeRO, schedule), which share its cache
+    cut = slot_stages(facts, cluster, lay).tobytes() if lay.pp > 1 else b""
+    shared = (times_key(facts, cluster, lay), cluster.params, lay.pp, cut)
+    return tuple(
+        easy[s] if easy[s] is not None else
+        knapsack_choice(facts, local * (saved_stage == s), np.zeros_like(saved_stage),
+                        np.array([_flight(lay, s)]), room[s:s + 1], np.zeros_like(node_stage),
+                        times * (node_stage == s), (fwd + bwd)[s:s + 1],
+                        facts.cache.get("knapsack", (*shared, s), dict))
+        for s in range(lay.pp))
 
 
 def _flight(lay: Layout, stage: int) -> float:

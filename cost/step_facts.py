@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cost.facts_cache import FactsCache
 from cost.layout import LayoutError
 
 
@@ -31,11 +32,6 @@ def _check_lengths(table: object) -> None:
     lengths = {f.name: len(getattr(table, f.name)) for f in dataclasses.fields(table)}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"{type(table).__name__}: columns of different lengths {lengths}")
-
-
-# memo tags of `StepFacts._memo` that depend on the graph and the layout's degrees only, never
-# on the cluster (kept by `StepFacts.clear_memo`)
-GRAPH_ONLY_MEMOS = ("block_params", "tp_small_sites", "columns", "rebuilt_sweep")
 
 
 def _scale_where(values: np.ndarray, mask: np.ndarray, r: float) -> np.ndarray:
@@ -213,18 +209,19 @@ class StepFacts:
     # (`cost.terms.recompute.framework_kept`); gradients accumulate straight into the fp32
     # buffer, no bf16 copy beside it (`cost.precision.recipe`'s ``fused_accum``)
     framework_memory: bool = False
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # what the cost model derives from these facts and reuses across layouts (`cost.facts_cache`;
+    # not an init argument: a copy made by `rebatch` or `dataclasses.replace` starts empty)
+    cache: FactsCache = field(default_factory=FactsCache, init=False, repr=False, compare=False)
 
     @property
     def num_params(self) -> int:
         """Parameters counted once each."""
         return sum(self.params.numel.values())
 
-    def clear_memo(self) -> None:
-        """Forget the memoised prices (a calibration prices the same facts under many parameter
+    def clear_cache(self) -> None:
+        """Forget the cached prices (a calibration prices the same facts under many parameter
         values); what depends on the graph and the degrees alone stays."""
-        for key in [k for k in self._memo if k[0] not in GRAPH_ONLY_MEMOS]:
-            del self._memo[key]
+        self.cache.drop_cluster_dependent()
 
     def rebatch(self, batch: int) -> StepFacts:
         """The same step with a global batch of ``batch`` sequences (no new capture needed:
@@ -242,7 +239,6 @@ class StepFacts:
             block_input_bytes=self.block_input_bytes * r,
             expert_io_bytes=self.expert_io_bytes * r,
             zb_stash_bytes=self.zb_stash_bytes * r,
-            _memo={},
         )
 
     # ---- per-parameter names read outside the cost model (planning, decisions, explain)

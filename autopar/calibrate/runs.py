@@ -231,8 +231,7 @@ class RunPricer:
             # is a fused or vocabulary-parallel cross-entropy and its full recompute
             # checkpoints whole blocks (Megatron-LM, nanotron, llm-foundry: `StepFacts`)
             self._facts[key] = dataclasses.replace(base.rebatch(run.global_batch), memory_cuts=False,
-                                                   counts_tokens=False, framework_memory=True,
-                                                   _memo={})
+                                                   counts_tokens=False, framework_memory=True)
         return self._facts[key]
 
     def _kind(self, run: Run) -> str:
@@ -260,7 +259,7 @@ class RunPricer:
     def clear(self) -> None:
         """Drop the predictions memoised under old parameters (the facts stay)."""
         for f in self._facts.values():
-            f.clear_memo()
+            f.clear_cache()
 
     def price(self, runs: Sequence[Run], params=None, memory_only: bool = False) -> Priced:
         """Predicted tok/s/GPU, fits and memory (bytes) of every run under ``params``.

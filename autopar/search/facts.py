@@ -19,7 +19,7 @@ from autopar.analysis.fusion import external_bytes, fused_saved, fusion_groups
 from autopar.analysis.graph import GraphAnalysis
 from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
-from autopar.strategies.tp_recipe import REPLICATED, find_tp_recipe
+from autopar.strategies.tp_recipe import REPLICATED, TPRecipe, find_tp_recipe
 from cost.plan_types import GraphSignature
 from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
@@ -45,34 +45,109 @@ _RECOMPUTE_MODES = ("selective", "full")
 _NOT_REBUILT = (-1, -1)  # the span of a storage no copy rebuilds
 
 
+@dataclass(frozen=True)
+class GraphParts:
+    """What the facts read off a captured graph whatever the TP roles: built once per graph
+    and fusion setting, shared by the facts of every TP recipe (Megatron's, each ILP's)."""
+
+    nodes: list  # the graph's nodes, in order
+    groups: dict  # fusion groups (`autopar.analysis.fusion.fusion_groups`; empty unfused)
+    ext_inputs: dict  # node -> the inputs its kernel reads from memory
+    leaves: dict  # node -> whether its kernel writes its output to memory
+    saved_values: dict  # storage -> bytes autograd saves without recompute
+    batch: int
+    seq: int
+    n_layers: int
+    layer_eff: dict  # node -> effective block index (`cost.stages.effective_layers`)
+    fp8_roles: dict  # matmul -> (weight, role): the FP8 candidates
+    fp8_shares: dict  # matmul -> operand -> the share of its cast it pays
+    expert_prefixes: tuple[str, ...]
+    marks: dict  # recompute set -> `_Marks`
+    group_names: dict  # heavy group -> its nodes
+    params: dict  # parameter name -> placeholder node
+    consumers: dict  # parameter name -> the blocks that read it
+    zb_stash: np.ndarray
+    counts_tokens: bool
+
+
+def graph_parts(graph: TrainingGraph, analysis: GraphAnalysis, fused: bool = True) -> GraphParts:
+    """`GraphParts` of a captured step (the recompute marks are the costly part)."""
+    groups = fusion_groups(graph, analysis) if fused else {}
+    ext_inputs, leaves = external_bytes(graph, analysis, groups)
+    nodes = list(graph.gm.graph.nodes)
+    input_names = {i.node for i in graph.inputs if i.kind == "input"}
+    batch, seq = _batch_and_seq([n for n in nodes if n.name in input_names])
+    n_layers = analysis.blocks.count if analysis.blocks else 0
+    layer_eff = _effective_layers(nodes, analysis, n_layers)
+    fp8_roles, fp8_shares = _fp8_roles(graph)
+    # what the recompute pass keeps and rebuilds per mode (`_recompute_marks`)
+    weight_of = {name: w for name, (w, role) in fp8_roles.items() if role == "forward"}
+    marks, group_names = _recompute_marks(graph, analysis, weight_of)
+    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
+    loss_index = next(o.index for o in graph.outputs if o.kind == "loss")
+    return GraphParts(
+        nodes=nodes, groups=groups, ext_inputs=ext_inputs, leaves=leaves,
+        saved_values=fused_saved(graph, analysis, groups) if fused else analysis.saved,
+        batch=batch, seq=seq, n_layers=n_layers, layer_eff=layer_eff,
+        fp8_roles=fp8_roles, fp8_shares=fp8_shares, expert_prefixes=_expert_modules(graph),
+        marks=marks, group_names=group_names, params=params,
+        consumers=_param_layers(graph, params, layer_eff, analysis),
+        zb_stash=_zb_stash(graph, analysis, layer_eff, n_layers),
+        counts_tokens=mean_loss_node(graph.gm, loss_index) is not None,
+    )
+
+
 def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None, fused: bool = True,
-                     roles: dict[str, str] | None = None) -> StepFacts:
+                     roles: dict[str, str] | None = None, parts: GraphParts | None = None,
+                     recipe: TPRecipe | None = None) -> StepFacts:
     """The cost facts of a captured step (`cost.step_facts.StepFacts`), once per graph and TP recipe.
 
     config: a zoo ModelConfig (optional) supplies head counts. fused: price element-wise chains
     as fused kernels and save what a fused step saves (torch.compile, nanotron's kernels); False
     prices eager PyTorch, one kernel per op. roles: tensor-parallel roles of some weights (from
-    `tp_ilp`); Megatron's otherwise.
+    `tp_ilp`); Megatron's otherwise. parts: the graph's `GraphParts` (built with the same
+    ``fused``) when the caller keeps them; recipe: `find_tp_recipe` of ``roles``, when kept.
     """
-    tp = find_tp_recipe(graph, analysis, roles)
-    groups = fusion_groups(graph, analysis) if fused else {}
-    ext_inputs, leaves = external_bytes(graph, analysis, groups)
-    saved_values = fused_saved(graph, analysis, groups) if fused else analysis.saved
-    nodes = [n for n in graph.gm.graph.nodes]
-    input_names = {i.node for i in graph.inputs if i.kind == "input"}
-    user_inputs = [n for n in nodes if n.name in input_names]
-    batch, seq = _batch_and_seq(user_inputs)
-    blocks = analysis.blocks
-    n_layers = blocks.count if blocks else 0
-    layer_eff = _effective_layers(nodes, analysis, n_layers)
-    fp8_roles, fp8_shares = _fp8_roles(graph)
-    bd = tp.batch_dependent
-    expert_prefixes = _expert_modules(graph)
+    parts = parts if parts is not None else graph_parts(graph, analysis, fused)
+    tp = recipe if recipe is not None else find_tp_recipe(graph, analysis, roles)
+    arrays = _node_arrays(analysis, parts, tp)
+    expert_io = _expert_io(analysis, parts, tp.batch_dependent)
+    # the nodes whose copies the recompute pass runs in the backward, per mode and heavy group
+    marks, keys = parts.marks, list(parts.group_names)
+    for mode in _RECOMPUTE_MODES:
+        arrays[f"rerun_{mode}"] = [name in marks[mode].copied for name in arrays["name"]]
+    rerun_groups = [[name in marks[g].copied for g in keys] for name in arrays["name"]]
+    saved, kept_groups, rebuilt_groups = _saved_rows(analysis, parts, tp)
+    rows = len(saved["name"])
+    return StepFacts(
+        batch=parts.batch,
+        seq=parts.seq,
+        n_layers=parts.n_layers,
+        heads=getattr(config, "n_heads", None),
+        kv_heads=getattr(config, "n_kv_heads", None),
+        n_experts=getattr(config, "n_experts", 0) or 0,
+        total_flops=analysis.forward_flops + analysis.backward_flops,
+        nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()},
+                        rerun_groups=np.array(rerun_groups, dtype=bool).reshape(len(rerun_groups), len(keys))),
+        saved=SavedTable(**{k: np.array(v, dtype=_SAVED_DTYPES[k]) for k, v in saved.items()},
+                         kept_groups=np.array(kept_groups, dtype=bool).reshape(rows, len(keys)),
+                         rebuilt_groups=np.array(rebuilt_groups, dtype=int).reshape(rows, len(keys), 2)),
+        recompute_groups=tuple(keys),
+        events=_event_table(tp, parts.layer_eff),
+        params=_param_table(graph, parts, tp),
+        block_input_bytes=_block_input_bytes(graph, analysis, tp.batch_dependent),
+        expert_io_bytes=expert_io,
+        tp_fallbacks=sorted(tp.fallback_ops),
+        zb_stash_bytes=parts.zb_stash.copy(),
+        counts_tokens=parts.counts_tokens,
+    )
 
+
+def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> dict[str, list]:
+    """The columns of `NodeTable` (but the recompute ones) of every kernel-launching node."""
+    bd, ext_inputs = tp.batch_dependent, parts.ext_inputs
     arrays: dict[str, list] = {k: [] for k in _NODE_DTYPES}
-    expert_io = np.zeros(max(n_layers, 1) + 2)
-    crossed: set[tuple[torch.fx.Node, bool]] = set()
-    for node in nodes:
+    for node in parts.nodes:
         if node.op != "call_function":
             continue
         info = analysis.nodes[node.name]
@@ -82,16 +157,16 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         act_in = sum(analysis.nodes[i.name].nbytes for i in ext_inputs[node.name] if bd.get(i.name))
         const_in = sum(analysis.nodes[i.name].nbytes for i in ext_inputs[node.name] if not bd.get(i.name))
         out_bd = bd.get(node.name, False)
-        written = info.bytes_written if leaves[node.name] else 0
+        written = info.bytes_written if parts.leaves[node.name] else 0
         tp_div = state == "S" or node.name in tp.sharded_matmul
         is_attn = any(k in str(node.target) for k in _ATTENTION) and info.phase == "forward"
         kv = 0
         if is_attn:
             kv = sum(analysis.nodes[a.name].nbytes for a in node.args[1:3] if isinstance(a, torch.fx.Node))
-        fp8_weight, fp8_role = fp8_roles.get(node.name, ("", ""))
-        param_mm = bool(fp8_weight)
-        if param_mm:  # the casts it pays: a cast shared with other matmuls, its share
-            share = fp8_shares.get(node.name, {})
+        fp8_weight, fp8_role = parts.fp8_roles.get(node.name, ("", ""))
+        fp8_act = fp8_const = 0
+        if fp8_weight:  # the casts it pays: a cast shared with other matmuls, its share
+            share = parts.fp8_shares.get(node.name, {})
             fp8_act = sum(analysis.nodes[i.name].nbytes * share.get(i.name, 1.0)
                           for i in ext_inputs[node.name] if bd.get(i.name))
             fp8_const = sum(analysis.nodes[i.name].nbytes * share.get(i.name, 1.0)
@@ -101,43 +176,56 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         arrays["vflops"].append(info.vector_flops)
         arrays["bytes_act"].append(act_in + (written if out_bd else 0))
         arrays["bytes_const"].append(const_in + (0 if out_bd else written))
-        arrays["launch"].append(groups.get(node.name, node.name) == node.name)
+        arrays["launch"].append(parts.groups.get(node.name, node.name) == node.name)
         arrays["hides_gather"].append(node.name in tp.column_matmul)
         arrays["hides_reduce"].append(node.name in tp.weight_grad_matmul)
         arrays["batch_dep"].append(out_bd or act_in > 0)
         arrays["tp_div"].append(tp_div)
         arrays["sp_div"].append(state == "R" and out_bd and not tp_div)
         arrays["is_matmul"].append(info.is_matmul or info.flops > 0)
-        arrays["fp8_act_bytes"].append(fp8_act if param_mm else 0)
-        arrays["fp8_const_bytes"].append(fp8_const if param_mm else 0)
+        arrays["fp8_act_bytes"].append(fp8_act)
+        arrays["fp8_const_bytes"].append(fp8_const)
         arrays["fp8_weight"].append(fp8_weight)
         arrays["fp8_wgrad"].append(fp8_role == "weight_grad")
         arrays["forward"].append(info.phase == "forward")
-        arrays["layer"].append(layer_eff[node.name])
+        arrays["layer"].append(parts.layer_eff[node.name])
         arrays["is_attention"].append(is_attn)
         arrays["attention_kv_bytes"].append(kv)
-        # activations crossing into or out of expert modules: the EP all-to-all volume
-        if expert_prefixes and info.phase == "forward" and out_bd:
-            mine = _under(info.module, expert_prefixes)
-            for i in node.all_input_nodes:
-                source = _source(node, i, analysis)
-                other = _under(analysis.nodes[source.name].module, expert_prefixes)
-                if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward" and \
-                        (source, mine) not in crossed:  # a value sent once, however many read it
-                    crossed.add((source, mine))
-                    expert_io[layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
+    return arrays
 
-    # what the recompute pass keeps and rebuilds per mode (`_recompute_marks`): the rows of the
-    # saved table are the values saved without recompute, then the values only a mode keeps
-    # (the roots of its recompute chains) or rebuilds (its working set in the backward); each
-    # heavy group (`passes.recompute.heavy_groups`) adds the columns of "selective" + that group
-    weight_of = {name: w for name, (w, role) in fp8_roles.items() if role == "forward"}
-    marks, group_names = _recompute_marks(graph, analysis, weight_of)
-    keys = list(group_names)
-    for mode in _RECOMPUTE_MODES:  # the nodes whose copies the pass runs in the backward
-        arrays[f"rerun_{mode}"] = [name in marks[mode].copied for name in arrays["name"]]
-    rerun_groups = [[name in marks[g].copied for g in keys] for name in arrays["name"]]
-    rows = dict(saved_values)
+
+def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarray:
+    """Bytes per slot of the activations crossing into or out of expert modules: the EP
+    all-to-all volume (a value sent once, however many read it)."""
+    expert_io = np.zeros(max(parts.n_layers, 1) + 2)
+    prefixes = parts.expert_prefixes
+    if not prefixes:
+        return expert_io
+    crossed: set[tuple[torch.fx.Node, bool]] = set()
+    for node in parts.nodes:
+        if node.op != "call_function":
+            continue
+        info = analysis.nodes[node.name]
+        if info.is_view or info.phase != "forward" or not bd.get(node.name, False):
+            continue
+        mine = _under(info.module, prefixes)
+        for i in node.all_input_nodes:
+            source = _source(node, i, analysis)
+            other = _under(analysis.nodes[source.name].module, prefixes)
+            if bd.get(i.name) and mine != other and analysis.nodes[i.name].phase == "forward" and \
+                    (source, mine) not in crossed:
+                crossed.add((source, mine))
+                expert_io[parts.layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
+    return expert_io
+
+
+def _saved_rows(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe
+                ) -> tuple[dict[str, list], list, list]:
+    """The columns of `SavedTable`: the rows are the values saved without recompute, then the
+    values only a recompute mode keeps (the roots of its chains) or rebuilds (its working set
+    in the backward); each heavy group adds the columns of "selective" + that group."""
+    bd, marks, keys = tp.batch_dependent, parts.marks, list(parts.group_names)
+    rows = dict(parts.saved_values)
     for mark in marks.values():
         for name in (*mark.kept, *mark.rebuilt):
             rows.setdefault(name, analysis.nodes[name].nbytes)
@@ -145,7 +233,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
     kept_groups, rebuilt_groups = [], []
     for name, nbytes in rows.items():
         info = analysis.nodes[name]
-        saved["kept_none"].append(name in saved_values)
+        saved["kept_none"].append(name in parts.saved_values)
         for mode in _RECOMPUTE_MODES:
             saved[f"kept_{mode}"].append(name in marks[mode].kept)
             saved[f"rebuilt_{mode}"].append(marks[mode].rebuilt.get(name, _NOT_REBUILT))
@@ -159,53 +247,39 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         saved["tp_div"].append(state == "S")
         # a saved partial sum is stored after its reduction: replicated, or sequence-sharded
         saved["sp_div"].append(state in ("R", "P") and node_bd)
-        saved["layer"].append(layer_eff.get(name, -1))
+        saved["layer"].append(parts.layer_eff.get(name, -1))
         saved["heavy"].append(info.flops > 0 or info.is_matmul)
+    return saved, kept_groups, rebuilt_groups
 
+
+def _event_table(tp: TPRecipe, layer_eff: dict[str, int]) -> EventTable:
+    """The TP collectives the recipe implies, as `EventTable` columns."""
     events = tp.events
-    params = {i.name: i.node for i in graph.inputs if i.kind == "param"}
-    consumers = _param_layers(graph, params, layer_eff, analysis)
-    facts = StepFacts(
-        batch=batch,
-        seq=seq,
-        n_layers=n_layers,
-        heads=getattr(config, "n_heads", None),
-        kv_heads=getattr(config, "n_kv_heads", None),
-        n_experts=getattr(config, "n_experts", 0) or 0,
-        total_flops=analysis.forward_flops + analysis.backward_flops,
-        nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()},
-                        rerun_groups=np.array(rerun_groups, dtype=bool).reshape(len(rerun_groups), len(keys))),
-        saved=SavedTable(**{k: np.array(v, dtype=_SAVED_DTYPES[k]) for k, v in saved.items()},
-                         kept_groups=np.array(kept_groups, dtype=bool).reshape(len(rows), len(keys)),
-                         rebuilt_groups=np.array(rebuilt_groups, dtype=int).reshape(len(rows), len(keys), 2)),
-        recompute_groups=tuple(keys),
-        events=EventTable(
-            node=np.array([e.node for e in events], dtype=str),
-            bytes=np.array([e.nbytes for e in events], dtype=float),
-            batch_dep=np.array([e.batch_dependent for e in events], dtype=bool),
-            reduce=np.array([e.kind == "reduce" for e in events], dtype=bool),
-            layer=np.array([layer_eff.get(e.node, -1) for e in events], dtype=int),
-            forward=np.array([e.forward for e in events], dtype=bool),
-            always=np.array([e.always for e in events], dtype=bool),
-        ),
-        params=ParamTable(
-            numel={n: math.prod(graph.param_shapes[n]) for n in params},
-            tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
-            expert={n: _under(n, expert_prefixes) for n in params},
-            stages_layer=consumers,
-            dtype_bytes={n: torch.empty((), dtype=graph.param_dtypes[n]).element_size() for n in params},
-            tp_role=dict(tp.roles),
-            tp_dim={n: tp.param_shard_dim(n) for n in params},
-            shape={n: tuple(graph.param_shapes[n]) for n in params},
-            tp_parts=dict(getattr(tp, "fused_parts", {})),
-        ),
-        block_input_bytes=_block_input_bytes(graph, analysis, bd),
-        expert_io_bytes=expert_io,
-        tp_fallbacks=sorted(tp.fallback_ops),
-        zb_stash_bytes=_zb_stash(graph, analysis, layer_eff, n_layers),
-        counts_tokens=mean_loss_node(graph.gm, next(o.index for o in graph.outputs if o.kind == "loss")) is not None,
+    return EventTable(
+        node=np.array([e.node for e in events], dtype=str),
+        bytes=np.array([e.nbytes for e in events], dtype=float),
+        batch_dep=np.array([e.batch_dependent for e in events], dtype=bool),
+        reduce=np.array([e.kind == "reduce" for e in events], dtype=bool),
+        layer=np.array([layer_eff.get(e.node, -1) for e in events], dtype=int),
+        forward=np.array([e.forward for e in events], dtype=bool),
+        always=np.array([e.always for e in events], dtype=bool),
     )
-    return facts
+
+
+def _param_table(graph: TrainingGraph, parts: GraphParts, tp: TPRecipe) -> ParamTable:
+    """The parameters: sizes, TP roles and shard dims under ``tp``, experts, where read."""
+    params = parts.params
+    return ParamTable(
+        numel={n: math.prod(graph.param_shapes[n]) for n in params},
+        tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
+        expert={n: _under(n, parts.expert_prefixes) for n in params},
+        stages_layer={n: list(v) for n, v in parts.consumers.items()},
+        dtype_bytes={n: torch.empty((), dtype=graph.param_dtypes[n]).element_size() for n in params},
+        tp_role=dict(tp.roles),
+        tp_dim={n: tp.param_shard_dim(n) for n in params},
+        shape={n: tuple(graph.param_shapes[n]) for n in params},
+        tp_parts=dict(getattr(tp, "fused_parts", {})),
+    )
 
 
 def _zb_stash(graph: TrainingGraph, analysis: GraphAnalysis, layer_eff: dict[str, int],

@@ -17,7 +17,7 @@ from torch import nn
 from autopar.analysis.graph import GraphAnalysis, analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
 from autopar.capture.joint import TrainingGraph, capture
-from autopar.search.facts import build_step_facts
+from autopar.search.facts import GraphParts, build_step_facts, graph_parts
 from autopar.strategies.tp_ilp import ILPResult, solve_tp_roles
 from autopar.strategies.tp_recipe import TPRecipe, find_tp_recipe
 from cost import Cluster, Layout
@@ -37,20 +37,28 @@ class CapturedStep:
     _facts: dict = field(default_factory=dict, repr=False)
     _ilp: dict = field(default_factory=dict, repr=False)
     _recipe: TPRecipe | None = field(default=None, repr=False)
+    _parts: GraphParts | None = field(default=None, repr=False)
+    _admits: dict = field(default_factory=dict, repr=False)  # `find_tp_recipe`'s, per node
+    _ilp_shared: dict = field(default_factory=dict, repr=False)  # `solve_tp_roles`' ``shared``
 
     def facts(self, roles: dict[str, str] | None = None) -> StepFacts:
         """Cost facts with Megatron's TP roles, or with ``roles`` where given."""
         key = tuple(sorted((roles or {}).items()))
         if key not in self._facts:
+            if self._parts is None:  # what every recipe's facts share
+                self._parts = graph_parts(self.graph, self.analysis, self.fused)
+            recipe = find_tp_recipe(self.graph, self.analysis, roles, self._admits) if roles \
+                else self.recipe
             self._facts[key] = build_step_facts(self.graph, self.analysis, self.config,
-                                                fused=self.fused, roles=roles)
+                                                fused=self.fused, roles=roles, parts=self._parts,
+                                                recipe=recipe)
         return self._facts[key]
 
     @property
     def recipe(self) -> TPRecipe:
         """Megatron's TP recipe of this step (the ILP's starting point)."""
         if self._recipe is None:
-            self._recipe = find_tp_recipe(self.graph, self.analysis)
+            self._recipe = find_tp_recipe(self.graph, self.analysis, admits=self._admits)
         return self._recipe
 
     def ilp(self, cluster: Cluster, tp: int) -> ILPResult:
@@ -59,7 +67,8 @@ class CapturedStep:
         if key not in self._ilp:
             head_dim = getattr(self.config, "head_dim", None)
             self._ilp[key] = solve_tp_roles(self.graph, self.analysis, cluster, tp, sp=True,
-                                            head_dim=head_dim, base=self.recipe, fused=self.fused)
+                                            head_dim=head_dim, base=self.recipe, fused=self.fused,
+                                            shared=self._ilp_shared)
         return self._ilp[key]
 
     def tp_variants(self, cluster: Cluster, tp: int) -> list[tuple[str, StepFacts]]:

@@ -107,15 +107,20 @@ class TPRoleILP:
 
     def __init__(self, graph: TrainingGraph, analysis: GraphAnalysis, cluster: Cluster, tp: int,
                  sp: bool = True, head_dim: int | None = None, base: TPRecipe | None = None,
-                 fused: bool = True, fixed: dict[str, str] | None = None) -> None:
+                 fused: bool = True, fixed: dict[str, str] | None = None,
+                 shared: dict | None = None) -> None:
         self.t0 = time.perf_counter()
+        # what the ILPs of one graph and base recipe share across degrees (`solve_tp_roles`)
+        shared = shared if shared is not None else {}
         self.graph, self.cluster, self.tp, self.sp, self.fixed = graph, cluster, tp, sp, fixed
         self.base = base or find_tp_recipe(graph, analysis)
         self.nodes = {n.name: n for n in graph.gm.graph.nodes}
         self.info = analysis.nodes
         self.weight_of, self.bd = self.base.weight_of, self.base.batch_dependent
         self.group = tp_group(cluster, tp)
-        self.full_s, self.shard_s = _node_seconds(graph, analysis, cluster, tp, fused)
+        if ("kernels", fused) not in shared:
+            shared[("kernels", fused)] = _kernels(graph, analysis, fused)
+        self.full_s, self.shard_s = _node_seconds(shared[("kernels", fused)], cluster, tp)
         self.overlap = comm_overlap(cluster)
         self.backward_of, self.owner = self._backward_owners()
         self.matmuls = self._weight_matmuls()
@@ -124,7 +129,10 @@ class TPRoleILP:
         self.solver = pywraplp.Solver.CreateSolver("CBC")
         self.solver.SetTimeLimit(int(SOLVE_TIME_LIMIT_S * 1000))
         self.shapes = graph.param_shapes
-        self.attention_heads_in = _attention_inputs(graph, analysis, self.matmuls, head_dim)
+        if ("attention_inputs", head_dim) not in shared:
+            shared[("attention_inputs", head_dim)] = _attention_inputs(graph, analysis, self.matmuls,
+                                                                       head_dim)
+        self.attention_heads_in = shared[("attention_inputs", head_dim)]
         self.groups: dict[str, dict[str, pywraplp.Variable]] = {}
         self.zero = self.solver.NumVar(0, 0, "zero")
         self.compute: list = []  # seconds of compute
@@ -483,6 +491,7 @@ def solve_tp_roles(
     base: TPRecipe | None = None,
     fused: bool = True,
     fixed: dict[str, str] | None = None,
+    shared: dict | None = None,
 ) -> ILPResult:
     """Choose every weight's TP role for degree ``tp`` by an ILP (`TPRoleILP`; the model is
     the module docstring's).
@@ -490,9 +499,12 @@ def solve_tp_roles(
     fused: price nodes as fused kernels (as `build_step_facts` does by default). fixed: roles
     of some weight groups (`group_of` keys) to impose instead of choosing; with it the memory
     bound is dropped, so that the objective prices any given assignment (a check of the ILP
-    against `cost.step.predict`).
+    against `cost.step.predict`). shared: a dict the caller keeps per graph and ``base``
+    recipe, where the ILPs of every degree and cluster keep what depends on those alone (the
+    kernels' sizes, the attention inputs).
     """
-    return TPRoleILP(graph, analysis, cluster, tp, sp, head_dim, base, fused, fixed).build().solve()
+    return TPRoleILP(graph, analysis, cluster, tp, sp, head_dim, base, fused, fixed,
+                     shared).build().solve()
 
 
 def _value(term) -> float:
@@ -519,12 +531,10 @@ def _reduced_bytes(mm: torch.fx.Node, reduced_at: dict[str, int], info) -> float
     return float(info[mm.name].nbytes)
 
 
-def _node_seconds(graph: TrainingGraph, analysis: GraphAnalysis, cluster: Cluster, tp: int,
-                  fused: bool) -> tuple[dict[str, float], dict[str, float]]:
-    """Step seconds of every node at the captured batch, whole and split ``tp`` ways: the
-    roofline of `cost.terms.compute.roofline_times` (the step model's) on the bytes
-    `build_step_facts` counts (a fusion group's external inputs and outputs), in the
-    cluster's default precision, slowed by `CostParams.framework_efficiency` as `predict` does."""
+def _kernels(graph: TrainingGraph, analysis: GraphAnalysis, fused: bool) -> tuple:
+    """(names, FLOPs, vector FLOPs, bytes, is-matmul, launches) of every kernel-launching node
+    at the captured batch, on the bytes `build_step_facts` counts (a fusion group's external
+    inputs and outputs)."""
     groups = fusion_groups(graph, analysis) if fused else {}
     ext_inputs, leaves = external_bytes(graph, analysis, groups)
     names, flops, vflops, nbytes, is_matmul, launch = [], [], [], [], [], []
@@ -539,9 +549,16 @@ def _node_seconds(graph: TrainingGraph, analysis: GraphAnalysis, cluster: Cluste
         nbytes.append(read + (i.bytes_written if leaves[node.name] else 0))
         is_matmul.append(i.is_matmul or i.flops > 0)
         launch.append(groups.get(node.name, node.name) == node.name)
-    gpu = cluster.gpu
     f, v, b = (np.array(a, dtype=float) for a in (flops, vflops, nbytes))
-    mm, ln = np.array(is_matmul, dtype=bool), np.array(launch, dtype=bool)
+    return names, f, v, b, np.array(is_matmul, dtype=bool), np.array(launch, dtype=bool)
+
+
+def _node_seconds(kernels: tuple, cluster: Cluster, tp: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Step seconds of every node of ``kernels`` (`_kernels`), whole and split ``tp`` ways: the
+    roofline of `cost.terms.compute.roofline_times` (the step model's), in the cluster's
+    default precision, slowed by `CostParams.framework_efficiency` as `predict` does."""
+    names, f, v, b, mm, ln = kernels
+    gpu = cluster.gpu
     dtype = np.full(f.shape, compute_dtype(gpu, default_precision(cluster)))
     out = []
     for div in (1, tp):

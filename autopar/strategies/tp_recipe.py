@@ -122,14 +122,17 @@ class TPRecipe:
 
 
 def find_tp_recipe(
-    graph: TrainingGraph, analysis: GraphAnalysis, roles: dict[str, str] | None = None
+    graph: TrainingGraph, analysis: GraphAnalysis, roles: dict[str, str] | None = None,
+    admits: dict[str, bool | None] | None = None,
 ) -> TPRecipe:
     """Propagate R/S/P states through the joint graph and collect the TP collectives.
 
     ``roles`` fixes the role of some weights (col, row, vocab or replicated), as the ILP of
-    `tp_ilp` chooses them; the others take Megatron's role from their first use.
+    `tp_ilp` chooses them; the others take Megatron's role from their first use. ``admits``:
+    node name -> `admits_sharding` of that node of this graph, filled as it is asked (what the
+    recipes of one graph under different roles share; it depends on the node alone).
     """
-    return _Propagation(graph, analysis, roles).run()
+    return _Propagation(graph, analysis, roles, admits).run()
 
 
 class _Propagation:
@@ -137,8 +140,10 @@ class _Propagation:
     (R, S or P) from its inputs', the weights' roles, and the collectives where a rule needs
     one. A method per kind of node; each returns whether it settled the node."""
 
-    def __init__(self, graph: TrainingGraph, analysis: GraphAnalysis, roles: dict[str, str] | None):
+    def __init__(self, graph: TrainingGraph, analysis: GraphAnalysis, roles: dict[str, str] | None,
+                 admits: dict[str, bool | None] | None = None):
         self.graph, self.analysis = graph, analysis
+        self.admits = admits if admits is not None else {}
         self.kinds = {i.node: i for i in graph.inputs}
         self.state: dict[str, str] = {}
         self.weight_of: dict[str, str] = {}
@@ -345,7 +350,12 @@ class _Propagation:
             return
         if "S" in in_states:
             # aten's grouped weight gradient X^T dY keeps W's split (`passes.grouped_matmul`)
-            allowed = True if is_grouped(node) else admits_sharding(node)
+            if is_grouped(node):
+                allowed = True
+            else:
+                if node.name not in self.admits:
+                    self.admits[node.name] = admits_sharding(node)
+                allowed = self.admits[node.name]
             if not allowed:  # no strategy keeps a sharded input: gather it, run replicated
                 if allowed is None:
                     warn_unknown(node)

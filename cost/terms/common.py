@@ -39,8 +39,8 @@ def zero_reduction(cluster: Cluster) -> str:
 
 def block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:
     """Parameters of one block on one device (what ZeRO-3 gathers at a time), memoised."""
-    key = ("block_params", lay.tp, lay.ep)
-    if key not in facts._memo:
+
+    def build() -> float:
         params = facts.params
         in_blocks = sum(
             n / (lay.tp if params.tp_sharded[p] else 1) / (lay.ep if params.expert[p] else 1)
@@ -51,5 +51,5 @@ def block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:
             (n / (lay.tp if params.tp_sharded[p] else 1) for p, n in params.numel.items()),
             default=0.0,
         )
-        facts._memo[key] = in_blocks / facts.n_layers if facts.n_layers else largest
-    return facts._memo[key]
+        return in_blocks / facts.n_layers if facts.n_layers else largest
+    return facts.cache.get("block_params", (lay.tp, lay.ep), build)

@@ -74,14 +74,13 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
     Memoised per (cluster, tp, cp, sp, micro-batch, precision): the search re-uses it.
     """
     layout = resolved(facts, cluster, layout)
-    key = _times_key(facts, cluster, layout)
-    if key not in facts._memo:
-        facts._memo[key] = _node_times(facts, cluster, layout)
-    return facts._memo[key]
+    return facts.cache.get("times", times_key(facts, cluster, layout),
+                           lambda: _node_times(facts, cluster, layout))
 
 
-def _times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
-    return ("times", cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
+def times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
+    """What `node_times` depends on: equal keys, equal node times."""
+    return (cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
             cluster.params.attention_efficiency,
             layout.tp, layout.cp, layout.sp, layout.microbatch, facts.batch, layout.precision,
             layout.fp8, layout.fp8_recipe)
@@ -171,13 +170,13 @@ def fp8_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[str,
         return tuple(layout.fp8)
     if "fp8" not in cluster.gpu.peak_flops and not cluster.gpu.is_cpu:
         return ()  # no FP8 tensor cores (A100): nothing to gain
-    key = ("fp8_choice", *_times_key(facts, cluster, layout))
-    if key not in facts._memo:
+
+    def build() -> tuple[str, ...]:
         high = node_times(facts, cluster, layout.replace(fp8="none"))
         low = node_times(facts, cluster, layout.replace(fp8="all"))
         of = np.array([fp8_group(w) for w in facts.nodes.fp8_weight], dtype=str)
-        facts._memo[key] = tuple(g for g in groups if low[of == g].sum() < high[of == g].sum())
-    return facts._memo[key]
+        return tuple(g for g in groups if low[of == g].sum() < high[of == g].sum())
+    return facts.cache.get("fp8_choice", times_key(facts, cluster, layout), build)
 
 
 def step_node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -213,37 +212,41 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     micro-batch under ``layout`` (memoised with the node times). Chunk c runs on rank c mod pp."""
     if layout.pp == 1 and virtual_stages(layout) == 1:
         # one chunk holds every slot, whatever the times (the search asks this most)
-        key = ("one_chunk", max(facts.n_layers, 0))
-        if key not in facts._memo:
-            facts._memo[key] = np.zeros(max(facts.n_layers, 0) + 2, dtype=int)
-            facts._memo[key].flags.writeable = False
-        return facts._memo[key]
+        return facts.cache.get("one_chunk", (max(facts.n_layers, 0),), lambda: _read_only(
+            np.zeros(max(facts.n_layers, 0) + 2, dtype=int)))
     layout = resolved(facts, cluster, layout)
     n_layers = max(facts.n_layers, 0)
     chunks = layout.pp * virtual_stages(layout)
-    key = ("chunk_map", chunks, *_times_key(facts, cluster, layout))
-    if key not in facts._memo:
+
+    def time_cut() -> tuple[np.ndarray | None, np.ndarray]:
         if n_layers == 0 or chunks == 1:
-            facts._memo[key] = (None, np.zeros(n_layers + 2, dtype=int))
-        else:
-            slot = np.clip(facts.nodes.layer, -1, n_layers) + 1
-            cost = np.bincount(slot, weights=node_times(facts, cluster, layout),
-                               minlength=n_layers + 2)
-            blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]))
-            facts._memo[key] = (cost, np.concatenate([[0], blocks, [chunks - 1]]).astype(int))
-    cost, chunk_map = facts._memo[key]
+            return None, np.zeros(n_layers + 2, dtype=int)
+        slot = np.clip(facts.nodes.layer, -1, n_layers) + 1
+        cost = np.bincount(slot, weights=node_times(facts, cluster, layout), minlength=n_layers + 2)
+        blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]))
+        return cost, np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
+
+    cost, chunk_map = facts.cache.get("chunk_map", (chunks, *times_key(facts, cluster, layout)),
+                                      time_cut)
     if cost is None or virtual_stages(layout) > 1 or not facts.memory_cuts:
         return chunk_map
-    # the cut that balances time may not fit: 1F1B's first stage holds pp micro-batches
-    mem_key = ("chunk_map_memory", id(chunk_map), layout, cluster.gpu.memory_bytes, cluster.params)
-    if mem_key not in facts._memo:
+
+    def memory_cut() -> tuple[np.ndarray, np.ndarray]:
+        # the cut that balances time may not fit: 1F1B's first stage holds pp micro-batches
         memory = slot_memory(facts, cluster, layout)
         if memory.fits(chunk_map[1:-1], chunks):
-            facts._memo[mem_key] = (chunk_map, chunk_map)
-        else:
-            blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
-            facts._memo[mem_key] = (chunk_map, np.concatenate([[0], blocks, [chunks - 1]]).astype(int))
-    return facts._memo[mem_key][1]  # the time cut kept alive with it: its id is the key
+            return chunk_map, chunk_map
+        blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
+        return chunk_map, np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
+
+    # the time cut is kept alive with the memory cut: its id is the key
+    key = (id(chunk_map), layout, cluster.gpu.memory_bytes, cluster.params)
+    return facts.cache.get("chunk_map_memory", key, memory_cut)[1]
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemory:
@@ -289,10 +292,8 @@ def slot_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     chunks = slot_chunks(facts, cluster, layout)
     if virtual_stages(layout) == 1:
         return chunks
-    key = ("stage_map", layout.pp, id(chunks))
-    if key not in facts._memo:
-        facts._memo[key] = (chunks, chunks % layout.pp)  # the chunks kept alive: their id is the key
-    return facts._memo[key][1]
+    # the chunks kept alive with it: their id is the key
+    return facts.cache.get("stage_map", (layout.pp, id(chunks)), lambda: (chunks, chunks % layout.pp))[1]
 
 
 def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -305,23 +306,23 @@ def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layo
 def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
     """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
     stage_map = slot_stages(facts, cluster, lay)
-    key = ("stage_params", lay.tp, lay.ep, lay.pp, stage_map.tobytes())
-    if key not in facts._memo:
+
+    def build() -> np.ndarray:
         slots, weights, shared = _param_slots(facts, lay)
         out = np.bincount(stage_map[slots], weights=weights, minlength=lay.pp).astype(float)
         for local, where in shared:
             for s in set(stage_map[where].tolist()):
                 out[s] += local  # a tied embedding lives on the first and the last stage
-        facts._memo[key] = out
-    return facts._memo[key]
+        return out
+    return facts.cache.get("stage_params", (lay.tp, lay.ep, lay.pp, stage_map.tobytes()), build)
 
 
 def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list]:
     """Each parameter's local size (after TP and EP sharding) by the slots that use it: the
     one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a list of
     (size, slots); memoised per (tp, ep)."""
-    key = ("param_slots", lay.tp, lay.ep)
-    if key not in facts._memo:
+
+    def build() -> tuple[np.ndarray, np.ndarray, list]:
         params, n = facts.params, max(facts.n_layers, 0)
         slots, weights, shared = [], [], []
         for name, numel in params.numel.items():
@@ -332,8 +333,8 @@ def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray,
                 weights.append(local)
             else:
                 shared.append((local, np.array(where)))
-        facts._memo[key] = (np.array(slots, dtype=int), np.array(weights, dtype=float), shared)
-    return facts._memo[key]
+        return np.array(slots, dtype=int), np.array(weights, dtype=float), shared
+    return facts.cache.get("param_slots", (lay.tp, lay.ep), build)
 
 
 def node_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:

@@ -73,10 +73,7 @@ def fixed_choice(facts: StepFacts, layout: Layout) -> RecomputeChoice:
 def columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
     """The kept, rebuilt and rerun rows of ``choice`` (the module docstring's composition;
     memoised: they depend on the graph alone)."""
-    key = ("columns", choice)
-    if key not in facts._memo:
-        facts._memo[key] = _columns(facts, choice)
-    return facts._memo[key]
+    return facts.cache.get("columns", (choice,), lambda: _columns(facts, choice))
 
 
 def _columns(facts: StepFacts, choice: RecomputeChoice) -> RecomputeColumns:
@@ -134,12 +131,14 @@ def rebuilt_sweep(spans: np.ndarray, layer: np.ndarray) -> tuple[np.ndarray, np.
 def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     """Bytes of each `SavedTable` row on one device for one micro-batch, as the caching
     allocator holds them (`CostParams.activation_fragmentation`); memoised, read-only."""
-    key = ("local_saved", layout.tp, layout.sp, layout.microbatch, layout.cp, facts.batch,
+    key = (layout.tp, layout.sp, layout.microbatch, layout.cp, facts.batch,
            cluster.params.activation_fragmentation)
-    if key not in facts._memo:
-        facts._memo[key] = _local_saved_bytes(facts, cluster, layout)
-        facts._memo[key].flags.writeable = False
-    return facts._memo[key]
+
+    def build() -> np.ndarray:
+        local = _local_saved_bytes(facts, cluster, layout)
+        local.flags.writeable = False
+        return local
+    return facts.cache.get("local_saved", key, build)
 
 
 def _local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -220,10 +219,8 @@ def local_block_input_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) 
 
 def choice_sweep(facts: StepFacts, choice: RecomputeChoice) -> tuple[np.ndarray, np.ndarray]:
     """`rebuilt_sweep` of ``choice``'s columns (memoised: it depends on the graph alone)."""
-    key = ("rebuilt_sweep", choice)
-    if key not in facts._memo:
-        facts._memo[key] = rebuilt_sweep(columns(facts, choice).rebuilt, facts.saved.layer)
-    return facts._memo[key]
+    return facts.cache.get("rebuilt_sweep", (choice,),
+                           lambda: rebuilt_sweep(columns(facts, choice).rebuilt, facts.saved.layer))
 
 
 def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
@@ -285,21 +282,98 @@ def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: 
     for choice in (RecomputeChoice("none"), RecomputeChoice("selective")):
         if fits(choice):
             return choice
-    groups = facts.recompute_groups
-    if not groups or not fits(RecomputeChoice("full")):
+    if not facts.recompute_groups or not fits(RecomputeChoice("full")):
         return RecomputeChoice("full")
-    # each group's bytes freed per stage (flight included) and seconds added per stage
-    sel = columns(facts, RecomputeChoice("selective"))
-    kept_g, rerun_g = facts.saved.kept_groups, facts.nodes.rerun_groups
-    freed_rows = (sel.kept[:, None] & ~kept_g) * local[:, None]
-    added_rows = (kept_g & ~sel.kept[:, None]) * local[:, None]
-    onehot = np.eye(pp)[stage]  # rows x stages
-    freed = ((freed_rows - added_rows).T @ onehot) * flight  # groups x stages
-    extra_nodes = rerun_g & ~sel.rerun[:, None]
-    seconds = (extra_nodes * times[:, None]).T @ np.eye(pp)[node_stage]  # groups x stages
-    base_s = stage_base_s + rerun_per_stage(node_stage, times, sel.rerun, pp)
+    return knapsack_choice(facts, local, stage, flight, room, node_stage, times, stage_base_s)
+
+
+def stage_choices_apart(facts: StepFacts, local: np.ndarray, stage: np.ndarray,
+                        flight: np.ndarray, room: np.ndarray) -> list[RecomputeChoice | None]:
+    """`choose_auto`'s first rules for every pipeline stage s on its own (its rows of
+    ``local`` alone, stage index ``stage``, ``flight[s]``, ``room[s]``), all stages at once:
+    none if it fits s, else selective if it fits, else full when selective plus every group
+    does not fit (or there are no groups); None where the knapsack must choose.
+
+    Each stage's sums, maxima and running sums are taken over its own rows in the same order
+    as `choose_auto` on the masked rows (the other rows add exact zeros), so the answer is
+    bit for bit the one stage by stage."""
+    pp = len(room)
+    out: list[RecomputeChoice | None] = [None] * pp
+    open_ = np.ones(pp, dtype=bool)
+    for choice in (RecomputeChoice("none"), RecomputeChoice("selective")):
+        ok = open_ & _fits_apart(facts, local, stage, flight, room, choice)
+        for s in np.flatnonzero(ok):
+            out[s] = choice
+        open_ &= ~ok
+        if not open_.any():
+            return out
+    full = RecomputeChoice("full")
+    last = np.ones(pp, dtype=bool) if not facts.recompute_groups else \
+        ~_fits_apart(facts, local, stage, flight, room, full)
+    for s in np.flatnonzero(open_ & last):
+        out[s] = full
+    return out
+
+
+def _fits_apart(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: np.ndarray,
+                room: np.ndarray, choice: RecomputeChoice) -> np.ndarray:
+    """Per stage: whether ``choice`` fits it on its own rows (`stage_choices_apart`)."""
+    pp = len(room)
+    cols = columns(facts, choice)
+    kept = local * cols.kept
+    per_stage = np.bincount(stage, weights=kept, minlength=pp)
+    transient = transient_bytes(facts, kept, stage, pp) if len(local) else np.zeros(pp)
+    transient = transient + _rebuilt_peaks_apart(local, stage, pp, choice_sweep(facts, choice))
+    return per_stage * flight + transient <= room
+
+
+def _rebuilt_peaks_apart(local: np.ndarray, group: np.ndarray, groups: int,
+                         sweep: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """`rebuilt_peak` of each group's rows alone: one running sum per group over its own
+    events (`rebuilt_peaks` runs one sum over every group's)."""
+    out = np.zeros(groups)
+    rows, order = sweep
+    if not len(rows):
+        return out
+    delta = np.concatenate([local[rows], -local[rows]])[order]
+    owner = np.concatenate([group[rows], group[rows]])[order]
+    for g in np.unique(owner):
+        out[g] = max(0.0, float(np.cumsum(delta[owner == g]).max()))
+    return out
+
+
+def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: np.ndarray,
+                    room: np.ndarray, node_stage: np.ndarray, times: np.ndarray,
+                    stage_base_s: np.ndarray, cache: dict | None = None) -> RecomputeChoice:
+    """`choose_auto` where neither none nor selective fits and full does: the fastest
+    selective + C that fits (the module docstring's knapsack), else full.
+
+    ``cache``: a dict the caller keeps per (``local``, ``stage``, ``node_stage``, ``times``,
+    ``stage_base_s``): it holds what is computed here from those alone (each choice's saved
+    and transient bytes, each group's bytes freed and seconds added), so that layouts that
+    differ only in ``room`` and ``flight`` (ZeRO, schedule) share them; the same values."""
+    pp = len(room)
+    c = cache if cache is not None else {}
+
+    def fits(choice: RecomputeChoice) -> bool:
+        per_stage, transient = _stage_memory(facts, local, stage, pp, choice, c)
+        return bool(np.all(per_stage * flight + transient <= room))
+
+    groups = facts.recompute_groups
+    if "freed" not in c:
+        # each group's bytes freed per stage (before flight) and seconds added per stage
+        sel = columns(facts, RecomputeChoice("selective"))
+        kept_g, rerun_g = facts.saved.kept_groups, facts.nodes.rerun_groups
+        freed_rows = (sel.kept[:, None] & ~kept_g) * local[:, None]
+        added_rows = (kept_g & ~sel.kept[:, None]) * local[:, None]
+        onehot = np.eye(pp)[stage]  # rows x stages
+        extra_nodes = rerun_g & ~sel.rerun[:, None]
+        c["freed"] = (freed_rows - added_rows).T @ onehot  # groups x stages
+        c["seconds"] = (extra_nodes * times[:, None]).T @ np.eye(pp)[node_stage]  # groups x stages
+        c["base_s"] = stage_base_s + rerun_per_stage(node_stage, times, sel.rerun, pp)
+    freed, seconds, base_s = c["freed"] * flight, c["seconds"], c["base_s"]
     useful = [i for i in range(len(groups)) if freed[i].max() > 0]
-    sel_per_stage, sel_transient = activation_memory(facts, local, stage, pp, RecomputeChoice("selective"))
+    sel_per_stage, sel_transient = _stage_memory(facts, local, stage, pp, RecomputeChoice("selective"), c)
     need = sel_per_stage * flight + sel_transient - room  # bytes to free per stage (> 0 somewhere)
     if len(useful) <= MAX_EXACT_GROUPS:
         subsets = np.array(list(itertools.product((0, 1), repeat=len(useful))), dtype=float)
@@ -318,6 +392,14 @@ def choose_auto(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flight: 
         if fits(choice):
             return choice
     return RecomputeChoice("full")
+
+
+def _stage_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,
+                  choice: RecomputeChoice, cache: dict) -> tuple[np.ndarray, float]:
+    """`activation_memory` of ``choice``, kept in ``cache`` (`knapsack_choice`)."""
+    if choice not in cache:
+        cache[choice] = activation_memory(facts, local, stage, pp, choice)
+    return cache[choice]
 
 
 def _normalised(facts: StepFacts, choice: RecomputeChoice) -> RecomputeChoice:

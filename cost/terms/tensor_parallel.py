@@ -71,11 +71,9 @@ def tp_comm(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarray,
     if lay.tp == 1:
         return np.zeros(pp), np.zeros(pp), np.zeros(pp)
     # the TP group never depends on the node count (TP is innermost): one entry serves them all
-    key = ("tp_comm", cluster.price_key(), lay.tp, lay.cp, lay.sp, lay.microbatch, lay.precision,
-           pp, facts.batch)
-    if key not in facts._memo:
-        facts._memo[key] = _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp)
-    return facts._memo[key]
+    key = (cluster.price_key(), lay.tp, lay.cp, lay.sp, lay.microbatch, lay.precision, pp, facts.batch)
+    return facts.cache.get("tp_comm", key,
+                           lambda: _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp))
 
 
 def _event_costs(facts, cluster, lay, scale) -> np.ndarray:
@@ -190,8 +188,8 @@ def tp_small_collectives(facts: StepFacts, cluster: Cluster, lay: Layout, scale:
 def _small_collective_sites(facts: StepFacts, n_layers: int) -> tuple[dict[float, np.ndarray], bool]:
     """(gradient bytes -> slots of the replicated block weights SP all-reduces, whether the
     head is TP-sharded), memoised: a property of the graph alone."""
-    key = ("tp_small_sites", n_layers)
-    if key not in facts._memo:
+
+    def build() -> tuple[dict[float, np.ndarray], bool]:
         params = facts.params
         norms: dict[float, list[int]] = {}
         for name, sharded in params.tp_sharded.items():
@@ -200,6 +198,5 @@ def _small_collective_sites(facts: StepFacts, n_layers: int) -> tuple[dict[float
                 nbytes = float(params.numel[name] * params.dtype_bytes.get(name, 4))
                 norms.setdefault(nbytes, []).append(min(max(layers), n_layers) + 1)
         head = [p for p, layers in params.stages_layer.items() if layers and max(layers) >= n_layers]
-        facts._memo[key] = ({k: np.array(v) for k, v in norms.items()},
-                            any(params.tp_sharded.get(p) for p in head))
-    return facts._memo[key]
+        return {k: np.array(v) for k, v in norms.items()}, any(params.tp_sharded.get(p) for p in head)
+    return facts.cache.get("tp_small_sites", (n_layers,), build)

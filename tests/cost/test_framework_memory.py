@@ -86,7 +86,7 @@ def facts(request):
     cluster = Cluster("h100", nodes=1, gpus_per_node=8)
     step = captured_step(model, inputs, None, torch.bfloat16)
     base = step.facts_for(cluster, autopar.Layout(dp=8, microbatch=1, grad_accum=1))
-    return base, dataclasses.replace(base, framework_memory=True, _memo={}), cluster
+    return base, dataclasses.replace(base, framework_memory=True), cluster
 
 
 def test_full_recompute_keeps_block_inputs_only(facts):
@@ -148,7 +148,7 @@ def test_attention_efficiency_prices_attention(facts):
     for eff in (1.0, 0.5, 0.25):
         c = Cluster("h100", nodes=1, gpus_per_node=8)
         c.params = CostParams(attention_efficiency=eff)
-        times.append(node_times(dataclasses.replace(big, _memo={}), c, lay))
+        times.append(node_times(dataclasses.replace(big), c, lay))
     # attention's seconds scale with 1 / attention_efficiency once its FLOPs dominate;
     # every other node is priced as before
     assert times[2][att].sum() == pytest.approx(2 * times[1][att].sum(), rel=0.01)

@@ -121,8 +121,8 @@ def test_a_heavy_head_gets_a_short_last_stage():
     balanced = predict(facts, cluster, lay)
     assert balanced.time_breakdown["compute_s"] > 0
     even_map = np.array([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])  # the even split
-    key = next(k for k in facts._memo if k[0] == "chunk_map")
-    facts._memo[key] = (facts._memo[key][0], even_map)
-    facts._memo = {k: v for k, v in facts._memo.items() if k[0] not in ("stage_params", "chunk_map_memory")}
+    key = facts.cache.keys("chunk_map")[0]
+    facts.cache.put("chunk_map", key, (facts.cache.get("chunk_map", key, None)[0], even_map))
+    facts.cache.drop("stage_params", "chunk_map_memory")
     even = predict(facts, cluster, lay)
     assert balanced.step_time_s < even.step_time_s

@@ -171,7 +171,7 @@ def test_rebatched_facts_keep_their_tables_aligned(llama_step):
     assert (big.nodes.flops[batch_dep] == 2 * facts.nodes.flops[batch_dep]).all()
     assert (big.nodes.flops[~batch_dep] == facts.nodes.flops[~batch_dep]).all()
     assert big.events.bytes.sum() == pytest.approx(2 * facts.events.bytes.sum())
-    assert big._memo == {} and big.param_numel is facts.param_numel
+    assert len(big.cache) == 0 and big.param_numel is facts.param_numel
 
 
 def test_tables_refuse_columns_of_different_lengths(llama_step):
