@@ -361,6 +361,9 @@ def expand(small: TrainingGraph, stack: BlockStack) -> TrainingGraph:
         b = block.get(src)
         if stack.index(label) is not None:
             node.meta["module"] = stack.rename(label, copy if copy is not None else instance_of(b))
+            group = node.meta.get("expert_group")
+            if group is not None:  # grouped experts: the list of this block (labelled "<list>.*")
+                node.meta["expert_group"] = (node.meta["module"].removesuffix(".*"), group[1])
         seq = node.meta.get("seq_nr")
         if seq is not None:
             if copy is not None and lo2 <= seq <= seq_end:

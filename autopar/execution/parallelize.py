@@ -84,6 +84,7 @@ from cost.stages import node_stages
 from cost.step import check_layout
 from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
+from passes.expert_parallel import ExpertParallelError, apply_expert_parallel, expert_groups
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
 from passes.loss_reduction import LossReduction, analyze_loss, for_layout, rewrite_denominators
@@ -190,7 +191,7 @@ def parallelize(
     # the step is captured for one micro-batch; the executor runs it grad_accum times
     local_inputs = tuple(x.chunk(lay.dp, dim=0)[_dp_rank(mesh)] for x in example_inputs)
     micro_inputs = tuple(x[: x.shape[0] // m] for x in local_inputs)
-    graph = _capture_local(model, micro_inputs, loss_fn)
+    graph = _capture_local(model, micro_inputs, loss_fn, lay.ep)
     check_mergeable(model, graph, micro_inputs, local_inputs, loss_fn, m)
     signature = _signature(graph.gm, [(i.kind, i.name) for i in graph.inputs],
                            {o.name: o.index for o in graph.outputs if o.kind == "grad"},
@@ -230,6 +231,11 @@ def parallelize(
     gm, signature = _tensor_parallel(gm, signature, shapes, decisions, mesh, strict)
     if lay.cp > 1:  # the sequence over "cp", attention as ring attention
         gm, signature = _context_parallel(gm, signature, decisions, mesh, strict)
+    if lay.ep > 1:  # each rank runs its share of the experts on its ep group's tokens
+        try:
+            apply_expert_parallel(gm, expert_groups(mesh.mesh.T.tolist(), lay.ep, dist.get_rank())[1])
+        except ExpertParallelError as exc:
+            raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
     if decisions.fp8 and lay.dp > 1:  # scales over all DP ranks' tokens, as on one device
         reduce_scales(gm, AxisGroup(mesh["dp"].get_group().group_name, lay.dp, _dp_rank(mesh)))
     if recomputing:
@@ -512,12 +518,13 @@ def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> Devic
 _LOCAL_GRAPHS = StepCache(size=4)
 
 
-def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn):
+def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn, ep: int = 1):
     """Capture the per-rank step; re-used (a fresh copy each time) for a model whose
     `step_key` is the same (class, attributes, mode, dtypes, inputs, loss), e.g. when trying
-    several layouts."""
-    key = step_key(model, local_inputs, loss_fn)
-    graph = copy.copy(_LOCAL_GRAPHS.get(key, lambda: capture(model, local_inputs, loss_fn=loss_fn)))
+    several layouts. Under expert parallelism (``ep`` > 1) every expert list is grouped."""
+    grouping = {"min_experts": 2} if ep > 1 else {}
+    key = step_key(model, local_inputs, loss_fn, *grouping.values())
+    graph = copy.copy(_LOCAL_GRAPHS.get(key, lambda: capture(model, local_inputs, loss_fn=loss_fn, **grouping)))
     graph.gm = copy.deepcopy(graph.gm)  # the passes rewrite it in place
     return graph
 
@@ -612,7 +619,7 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster)
         # (activations are linear in the batch)
         local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
         micro = tuple(x[: x.shape[0] // layout.grad_accum] for x in local)
-        graph = _capture_local(model, micro, loss_fn)
+        graph = _capture_local(model, micro, loss_fn, layout.ep)
         step = CapturedStep(graph, analyze(graph), getattr(model, "config", None),
                             fused=not cluster.gpu.is_cpu)  # CPU ranks run eager kernels
         facts = step.facts_for(cluster, layout).rebatch(batch)

@@ -39,11 +39,11 @@ def zero_reduction(cluster: Cluster) -> str:
 
 def block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:
     """Parameters of one block on one device (what ZeRO-3 gathers at a time), memoised."""
-    key = ("block_params", lay.tp, lay.ep)
+    key = ("block_params", lay.tp)
     if key not in facts._memo:
         params = facts.params
-        in_blocks = sum(
-            n / (lay.tp if params.tp_sharded[p] else 1) / (lay.ep if params.expert[p] else 1)
+        in_blocks = sum(  # experts whole on every ep rank, as the runtime stores them
+            n / (lay.tp if params.tp_sharded[p] else 1)
             for p, n in params.numel.items()
             if all(0 <= layer < n_layers for layer in params.stages_layer[p])
         )

@@ -303,9 +303,10 @@ def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layo
 
 
 def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
-    """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
+    """Parameters held by each pipeline stage after TP sharding (memoised). Expert parallelism
+    keeps every expert's parameters on every rank (passes/expert_parallel.py): not divided by ep."""
     stage_map = slot_stages(facts, cluster, lay)
-    key = ("stage_params", lay.tp, lay.ep, lay.pp, stage_map.tobytes())
+    key = ("stage_params", lay.tp, lay.pp, stage_map.tobytes())
     if key not in facts._memo:
         slots, weights, shared = _param_slots(facts, lay)
         out = np.bincount(stage_map[slots], weights=weights, minlength=lay.pp).astype(float)
@@ -317,15 +318,15 @@ def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndar
 
 
 def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list]:
-    """Each parameter's local size (after TP and EP sharding) by the slots that use it: the
-    one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a list of
-    (size, slots); memoised per (tp, ep)."""
-    key = ("param_slots", lay.tp, lay.ep)
+    """Each parameter's local size (after TP sharding; experts whole under ep) by the slots that
+    use it: the one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a
+    list of (size, slots); memoised per tp."""
+    key = ("param_slots", lay.tp)
     if key not in facts._memo:
         params, n = facts.params, max(facts.n_layers, 0)
         slots, weights, shared = [], [], []
         for name, numel in params.numel.items():
-            local = numel / (lay.tp if params.tp_sharded[name] else 1) / (lay.ep if params.expert[name] else 1)
+            local = numel / (lay.tp if params.tp_sharded[name] else 1)
             where = sorted({int(np.clip(layer, -1, n)) + 1 for layer in params.stages_layer[name]})
             if len(where) == 1:
                 slots.append(where[0])
