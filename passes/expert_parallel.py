@@ -198,15 +198,16 @@ def _rewrite(graph: fx.Graph, inst: _Instance, group: AxisGroup) -> None:
         x_here = _all_to_all(graph, x, group, fwd_meta, f"{words}: dispatch their tokens")
     local_w = {}
     for k, w in inst.weights.items():
-        params = list(w.args[0])
+        # every rank reads every expert's weights (the stack as it was): ZeRO gathers a block's
+        # weights with one collective, which must carry the same tensors on every rank
         with graph.inserting_before(first_reader(w, body)):
-            local_w[k] = _node(graph, aten.stack.default,
-                               ([params[r * m + e] for _ in range(n) for e in range(m)],), fwd_meta)
+            mine = _node(graph, aten.slice.Tensor, (w, 0, r * m, r * m + m), fwd_meta,
+                         f"{words}: their weights")
+            reps = [n] + [1] * (w.meta["val"].dim() - 1)
+            local_w[k] = _node(graph, aten.repeat.default, (mine, reps), fwd_meta)
     _reroute(x, x_here, body)
     for k, w in inst.weights.items():
         _reroute(w, local_w[k], body)
-        if not w.users:
-            graph.erase_node(w)  # the other ranks' experts' weights are not read here
     y = inst.results["y"]
     with graph.inserting_before(y.next):
         y_back = _all_to_all(graph, y, group, fwd_meta, f"{words}: combine their results")

@@ -171,7 +171,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         n_layers=n_layers,
         heads=getattr(config, "n_heads", None),
         kv_heads=getattr(config, "n_kv_heads", None),
-        n_experts=getattr(config, "n_experts", 0) or 0,
+        n_experts=getattr(config, "n_experts", 0) or _expert_count(graph, expert_prefixes),
         total_flops=analysis.forward_flops + analysis.backward_flops,
         nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()},
                         rerun_groups=np.array(rerun_groups, dtype=bool).reshape(len(rerun_groups), len(keys))),
@@ -243,6 +243,20 @@ def _expert_modules(graph: TrainingGraph) -> tuple[str, ...]:
         if match:
             prefixes.add(match.group(1))
     return tuple(sorted(prefixes))
+
+
+def _expert_count(graph: TrainingGraph, prefixes: tuple[str, ...]) -> int:
+    """Experts per list of a model without a config saying so: E of its grouped lists, else
+    the most indices under one expert prefix (`_expert_modules`)."""
+    grouped = [n.meta["expert_group"][1] for n in graph.gm.graph.nodes if "expert_group" in n.meta]
+    if grouped:
+        return max(grouped)
+    indices: dict[str, set[str]] = {}
+    for name in graph.param_shapes:
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                indices.setdefault(prefix, set()).add(name[len(prefix):].split(".", 1)[0])
+    return max((len(v) for v in indices.values()), default=0)
 
 
 def _source(node: torch.fx.Node, value: torch.fx.Node, analysis: GraphAnalysis) -> torch.fx.Node:
