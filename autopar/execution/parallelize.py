@@ -26,9 +26,12 @@ torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B
 the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP and recompute)
 runs on a ("dp", "cp", "tp") mesh: after TP's place, the context-parallel pass
 (passes/context_parallel.py) splits every sequence over "cp" and runs attention as ring
-attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Any other decision
-(ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, expert parallelism, a
-precision other than the model's) is an
+attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Expert parallelism
+(ep > 1, with DP and ZeRO) groups every list of alike experts at capture and the expert-parallel
+pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
+consecutive dp ranks, with all-to-alls; the experts' parameters stay whole on every rank. Any
+other decision (ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, ep with TP,
+pipelines, cp or FP8, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
 The loss trains as on one device wherever the layout splits the batch (data parallelism,
