@@ -6,8 +6,8 @@ top-2 MoE written here (`Top2MoELM`: 8 SwiGLU experts with biases, every expert 
 weighted by its renormalised top-2 gate, results stacked along dim -2), each under two losses
 (the model's mean cross-entropy, and a label-smoothed one over the tokens left after masking
 some labels with -100), with ZeRO and gradient accumulation. 2 ranks (ep2 x dp2 in one group)
-in the default suite; 4 ranks (ep2 in two groups of dp4, and ep4) under ``slow``. The rank's
-graph holds the all-to-alls (`dump_graph` names them).
+in the default suite; 4 ranks (ep2 in two groups of dp4, also with full recompute, and ep4)
+under ``slow``. The rank's graph holds the all-to-alls (`dump_graph` names them).
 """
 
 import copy
@@ -149,7 +149,7 @@ def test_ep2_matches_one_device():
 
 @pytest.mark.slow
 def test_ep_on_four_ranks_matches_one_device():
-    runs = [("tiny-mixtral", {"dp": 4, "ep": 2}, False),
+    runs = [("tiny-mixtral", {"dp": 4, "ep": 2, "recompute": "full"}, False),
             ("tiny-mixtral", {"dp": 4, "ep": 4, "zero": 3}, True),
             ("top2-moe", {"dp": 4, "ep": 4}, True),
             ("top2-moe", {"dp": 4, "ep": 2, "zero": 1, "grad_accum": 2}, False)]
