@@ -126,6 +126,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
                         (source, mine) not in crossed:  # a value sent once, however many read it
                     crossed.add((source, mine))
                     expert_io[layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
+    _grouped_expert_io(nodes, analysis, layer_eff, expert_io)
 
     # what the recompute pass keeps and rebuilds per mode (`_recompute_marks`): the rows of the
     # saved table are the values saved without recompute, then the values only a mode keeps
@@ -243,6 +244,23 @@ def _expert_modules(graph: TrainingGraph) -> tuple[str, ...]:
         if match:
             prefixes.add(match.group(1))
     return tuple(sorted(prefixes))
+
+
+def _grouped_expert_io(nodes, analysis: GraphAnalysis, layer_eff: dict[str, int], expert_io: np.ndarray) -> None:
+    """In place: a block's all-to-all volume where its experts are grouped (the graph expert
+    parallelism runs, `passes.expert_parallel`) is what that pass sends, the stacked inputs and
+    results (their gradients again in the backward: `cost.terms.expert_parallel`)."""
+    slots: dict[str, int] = {}  # list -> its block's slot (where its forward result is)
+    sent: dict[str, float] = {}
+    for node in nodes:
+        roles = node.meta.get("expert_result", ())
+        if "y" in roles or "dx" in roles:
+            path = node.meta["expert_group"][0]
+            sent[path] = sent.get(path, 0.0) + analysis.nodes[node.name].nbytes
+            if "y" in roles:
+                slots[path] = layer_eff[node.name] + 1
+    for slot in set(slots.values()):
+        expert_io[slot] = sum(sent[p] for p, s in slots.items() if s == slot)
 
 
 def _expert_count(graph: TrainingGraph, prefixes: tuple[str, ...]) -> int:

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from autopar import models
+from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
+from autopar.search.step import CapturedStep
 from cost import Cluster
 from cost.layout import Layout, LayoutError, unsupported_decisions
 from cost.plan_types import AxisGroup
@@ -31,6 +33,11 @@ def test_all_to_alls_and_local_weights():
     graph = _captured(layers=5)
     for rank in (0, 1):
         _check_rank(graph, copy.deepcopy(graph.gm), rank)
+    # priced as sent: each block's stacked inputs and results ([4 experts, 2 x 10 slots, 64] fp32
+    # each; `cost.terms.expert_parallel` doubles them for their gradients in the backward)
+    facts = CapturedStep(graph, analyze(graph), None, fused=False).facts()
+    assert list(facts.expert_io_bytes) == [0] + [2 * 4 * 20 * 64 * 4] * 5 + [0]
+    assert facts.n_experts == 4  # counted from the graph (no config says so)
 
 
 def _check_rank(graph, gm, rank: int) -> None:
