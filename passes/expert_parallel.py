@@ -64,7 +64,7 @@ class _Instance:
     results: dict[str, fx.Node]  # "y", "dx", "dw<k>" -> node
 
 
-def expert_groups(grid: Sequence[Sequence[int]], ep: int, rank: int):
+def expert_groups(grid: Sequence[Sequence[int]], ep: int, rank: int) -> tuple[object, AxisGroup]:
     """Create the ep process groups: each row of ``grid`` (one data-parallel group's global
     ranks, in dp order) cut into consecutive runs of ``ep`` ranks. Every rank creates every
     group, in the same order (``torch.distributed.new_group``'s rule); returns (this rank's
@@ -157,6 +157,7 @@ def apply_expert_parallel(gm: fx.GraphModule, group: AxisGroup) -> list[str]:
 
 
 def _rewrite(graph: fx.Graph, inst: _Instance, group: AxisGroup) -> None:
+    """One list's grouped computation run on this rank's experts (the module docstring's rules)."""
     n, r, E = group.size, group.rank, inst.experts
     if E % n:
         raise ExpertParallelError(
