@@ -283,6 +283,42 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class ExecutionReport:
+    """What the passes found as they ran a plan on one rank's graph, kept apart from the
+    plan (the solver's `PlanDecisions` is never edited after it is written).
+
+    ``recompute``: block -> the saved forward values the recompute pass rebuilds there, as it
+    ran (a block belongs to one pipeline stage); None where no recompute was asked.
+    ``fallbacks``: the ops that ran replicated, as the passes met them: the TP plan's
+    replicated ops it executed, then the ops the TP pass found no sharding rule for, then the
+    sequence gathers of the CP pass (empty without TP or CP).
+    """
+
+    recompute: dict[int, tuple[str, ...]] | None = None
+    fallbacks: tuple[Fallback, ...] = ()
+
+    def recompute_lines(self) -> list[str]:
+        """One line per block: how many values it recomputes and their ops (node names less
+        their numbering, so that alike blocks read alike)."""
+        return [f"block {block}: {len(values)} values ("
+                + ", ".join(sorted({re.sub(r"_\d+$", "", v) for v in values})) + ")"
+                for block, values in sorted((self.recompute or {}).items())]
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (inverse: `from_dict`)."""
+        return {"recompute": None if self.recompute is None
+                else [[block, list(values)] for block, values in sorted(self.recompute.items())],
+                "fallbacks": [asdict(f) for f in self.fallbacks]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ExecutionReport:
+        """Inverse of `to_dict`."""
+        recompute = data.get("recompute")
+        return cls(recompute=None if recompute is None else {b: tuple(v) for b, v in recompute},
+                   fallbacks=tuple(Fallback(**f) for f in data.get("fallbacks", [])))
+
+
+@dataclass(frozen=True)
 class AxisGroup:
     """The process group of one mesh axis as a pass sees it: its name, size and this rank."""
 

@@ -71,52 +71,18 @@ def split_pipeline(gm: fx.GraphModule, signature: GraphSignature, node_stage: Ma
     nodes = list(gm.graph.nodes)
     holders = [n for n in nodes if n.op == "placeholder"]
     leaf = {n.name: StageInput(kind, name) for n, (kind, name) in zip(holders, signature.inputs)}
-    output = nodes[-1]
-    outs = list(output.args[0])
+    outs = list(nodes[-1].args[0])
     free = _free_nodes(nodes, leaf)
     backward = _backward_nodes(nodes)
-    stage: dict[str, int] = {}
-    for n in nodes:
-        if n.op == "call_function" and n.name not in free:
-            if n.name not in node_stage:
-                raise PipelineSplitError(f"node {n.name} ({n.target}) has no pipeline stage")
-            stage[n.name] = int(node_stage[n.name])
-            if not 0 <= stage[n.name] < pp:
-                raise PipelineSplitError(f"node {n.name} is given stage {stage[n.name]} of {pp}")
-
+    stage = _stages(nodes, free, node_stage, pp)
     loss = outs[signature.loss_index]
     if not isinstance(loss, fx.Node) or stage.get(loss.name, pp - 1) != pp - 1:
         raise PipelineSplitError(f"the loss ({loss}) is computed on stage {stage.get(loss.name)}, "
                                  f"not on the last stage {pp - 1}: cut the blocks so the head and "
                                  "the loss come last")
-
     by_name = {n.name: n for n in nodes}
-    # a buffer's new value: on the stage that makes it, or (a free update, a step counter) the
-    # first stage that reads the buffer
-    buffer_out: dict[int, list[tuple[str, fx.Node]]] = {s: [] for s in range(pp)}
-    buffer_nodes = {leaf_in.name: name for name, leaf_in in leaf.items() if leaf_in.kind == "buffer"}
-    for name, index in signature.buffer_index.items():
-        value = outs[index]
-        users = by_name[buffer_nodes[name]].users if name in buffer_nodes else {}
-        s = stage.get(value.name, min((stage[u.name] for u in users if u.name in stage), default=0))
-        buffer_out[s].append((name, value))
-    for k, index in enumerate(others):
-        value = outs[index]
-        if isinstance(value, fx.Node):
-            buffer_out[stage.get(value.name, pp - 1)].append((f"{OUTPUT}{k}", value))
-
-    # what each stage runs: its own nodes, its buffer updates and the free nodes they read
-    need: dict[int, set[str]] = {s: set() for s in range(pp)}
-    for name, s in stage.items():
-        need[s].add(name)
-    for s in range(pp):
-        need[s].update(v.name for _, v in buffer_out[s] if v.op == "call_function")
-        todo = list(need[s])
-        while todo:
-            for i in by_name[todo.pop()].all_input_nodes:
-                if i.name in free and i.op != "placeholder" and i.name not in need[s]:
-                    need[s].add(i.name)
-                    todo.append(i.name)
+    buffer_out = _buffer_outputs(outs, signature, leaf, by_name, stage, others, pp)
+    need = _stage_needs(stage, buffer_out, free, by_name, pp)
 
     # a stage holds the parameters its nodes read; a gradient sums one part per holder
     params = {n.name: leaf[n.name].name for n in holders if leaf[n.name].kind == "param"}
@@ -131,7 +97,70 @@ def split_pipeline(gm: fx.GraphModule, signature: GraphSignature, node_stage: Ma
     for s in range(pp):
         need[s] -= dropped
 
-    # values made on another stage, by direction
+    channels, grad_slots = _channels(nodes, need, stage, backward, dropped, pp)
+    stages = [_stage_graphs(gm, s, pp, nodes, need[s], backward, leaf, channels, grad_slots,
+                            loss if s == pp - 1 else None, buffer_out[s],
+                            {p: grad_terms[p] for p in grad_terms if s in grad_terms[p]}, readers)
+              for s in range(pp)]
+    return PipelineGraphs(stages, channels, grad_slots, shared)
+
+
+def _stages(nodes: list[fx.Node], free: set[str], node_stage: Mapping[str, int], pp: int) -> dict[str, int]:
+    """The stage of every call_function node but the free ones, checked to be one of ``pp``."""
+    stage: dict[str, int] = {}
+    for n in nodes:
+        if n.op == "call_function" and n.name not in free:
+            if n.name not in node_stage:
+                raise PipelineSplitError(f"node {n.name} ({n.target}) has no pipeline stage")
+            stage[n.name] = int(node_stage[n.name])
+            if not 0 <= stage[n.name] < pp:
+                raise PipelineSplitError(f"node {n.name} is given stage {stage[n.name]} of {pp}")
+    return stage
+
+
+def _buffer_outputs(outs: list, signature: GraphSignature, leaf: Mapping[str, StageInput],
+                    by_name: Mapping[str, fx.Node], stage: dict[str, int], others: Sequence[int],
+                    pp: int) -> dict[int, list[tuple[str, fx.Node]]]:
+    """Per stage, the buffer updates and other forward outputs it returns: a buffer's new value
+    on the stage that makes it, or (a free update, a step counter) the first stage that reads
+    the buffer; another output on the stage that makes it (a free one: the last)."""
+    buffer_out: dict[int, list[tuple[str, fx.Node]]] = {s: [] for s in range(pp)}
+    buffer_nodes = {leaf_in.name: name for name, leaf_in in leaf.items() if leaf_in.kind == "buffer"}
+    for name, index in signature.buffer_index.items():
+        value = outs[index]
+        users = by_name[buffer_nodes[name]].users if name in buffer_nodes else {}
+        s = stage.get(value.name, min((stage[u.name] for u in users if u.name in stage), default=0))
+        buffer_out[s].append((name, value))
+    for k, index in enumerate(others):
+        value = outs[index]
+        if isinstance(value, fx.Node):
+            buffer_out[stage.get(value.name, pp - 1)].append((f"{OUTPUT}{k}", value))
+    return buffer_out
+
+
+def _stage_needs(stage: dict[str, int], buffer_out: dict[int, list[tuple[str, fx.Node]]],
+                 free: set[str], by_name: Mapping[str, fx.Node], pp: int) -> dict[int, set[str]]:
+    """What each stage runs: its own nodes, its buffer updates and the free nodes they read."""
+    need: dict[int, set[str]] = {s: set() for s in range(pp)}
+    for name, s in stage.items():
+        need[s].add(name)
+    for s in range(pp):
+        need[s].update(v.name for _, v in buffer_out[s] if v.op == "call_function")
+        todo = list(need[s])
+        while todo:
+            for i in by_name[todo.pop()].all_input_nodes:
+                if i.name in free and i.op != "placeholder" and i.name not in need[s]:
+                    need[s].add(i.name)
+                    todo.append(i.name)
+    return need
+
+
+def _channels(nodes: list[fx.Node], need: dict[int, set[str]], stage: dict[str, int],
+              backward: set[str], dropped: set[str], pp: int) -> tuple[list[list[str]], list[dict[int, str]]]:
+    """The values crossing each cut: the forward channel C_k (values made on a stage <= k and
+    read on a later one, in graph order) and the gradient slots from k+1 back to k. Raises
+    `PipelineSplitError` for a value that would cross a cut the wrong way."""
+    by_name = {n.name: n for n in nodes}
     fwd_need: dict[int, set[str]] = {s: set() for s in range(pp)}
     bwd_need: dict[int, set[str]] = {s: set() for s in range(pp)}
     for s in range(pp):
@@ -159,12 +188,7 @@ def split_pipeline(gm: fx.GraphModule, signature: GraphSignature, node_stage: Ma
     for k in range(pp - 1):
         back = sorted({d for t in range(k + 1) for d in bwd_need[t] if stage[d] > k}, key=order.get)
         grad_slots.append(_assign_slots(back, channels[k], by_name, k))
-
-    stages = [_stage_graphs(gm, s, pp, nodes, need[s], backward, leaf, channels, grad_slots,
-                            loss if s == pp - 1 else None, buffer_out[s],
-                            {p: grad_terms[p] for p in grad_terms if s in grad_terms[p]}, readers)
-              for s in range(pp)]
-    return PipelineGraphs(stages, channels, grad_slots, shared)
+    return channels, grad_slots
 
 
 def _backward_nodes(nodes: list[fx.Node]) -> set[str]:

@@ -386,20 +386,6 @@ def _launch_once(
                 procs.append(p)
                 readers.append(r)
 
-        def handle(rank: int) -> tuple[int, str, str, str] | None:
-            """Read rank's report: store a result, or return (rank, phase, traceback, summary)."""
-            try:
-                msg = readers[rank].recv()
-            except (EOFError, OSError):
-                # Died mid-report or without one: the sentinel check reports it. Stop waiting
-                # on this pipe, which would otherwise read as ready forever.
-                silent.add(rank)
-                return None
-            if msg[0] == "ok":
-                results[rank] = msg[1]
-                return None
-            return (rank, msg[1], msg[2], msg[3])
-
         while len(results) < world_size:
             pending = [r for r in range(world_size) if r not in results]
             remaining = deadline - time.monotonic()
@@ -422,25 +408,11 @@ def _launch_once(
                 if r in silent:
                     continue
                 if readers[r] in ready or (procs[r].exitcode is not None and readers[r].poll()):
-                    err = handle(r)
+                    err = _read_report(readers[r], r, results, silent)
                     if err is not None:
                         errors.append(err)
             if errors:
-                # a peer that is stopped explains the others' timeouts: name it instead
-                stopped = watch.stopped([r for r in pending if r not in results])
-                if stopped:
-                    raise watch.error(stopped[0])
-                rank, phase, text, summary = _root_cause(errors)
-                if phase == "init" and _is_address_in_use(text):
-                    raise _AddressInUse(text)
-                if _is_secondary(text):
-                    reported = {e[0] for e in errors}
-                    quiet = [r for r in pending if r not in results and r not in reported]
-                    dead = _dead_peer(procs, quiet, _PEER_EXIT_WAIT_S) if quiet else None
-                    if dead is not None:
-                        code = procs[dead].exitcode
-                        raise RankFailedError(dead, _describe_death(code), code)
-                raise RankFailedError(rank, text, summary=summary)
+                _raise_failure(errors, [r for r in pending if r not in results], procs, watch)
             for r in pending:
                 if r not in results and procs[r].exitcode is not None:
                     code = procs[r].exitcode
@@ -456,6 +428,44 @@ def _launch_once(
         _stop(procs)
         for r in readers:
             r.close()
+
+
+def _read_report(reader: Connection, rank: int, results: dict[int, Any],
+                 silent: set[int]) -> tuple[int, str, str, str] | None:
+    """Read ``rank``'s report: store a result, or return (rank, phase, traceback, summary)."""
+    try:
+        msg = reader.recv()
+    except (EOFError, OSError):
+        # Died mid-report or without one: the sentinel check reports it. Stop waiting
+        # on this pipe, which would otherwise read as ready forever.
+        silent.add(rank)
+        return None
+    if msg[0] == "ok":
+        results[rank] = msg[1]
+        return None
+    return (rank, msg[1], msg[2], msg[3])
+
+
+def _raise_failure(errors: list[tuple[int, str, str, str]], unfinished: list[int],
+                   procs: list[mp.process.BaseProcess], watch: _StopWatch) -> None:
+    """Raise the error that explains the ranks' reports (``errors``): a stopped peer, a port
+    taken at init, a dead peer behind secondary errors, else the root cause's rank.
+    ``unfinished``: the ranks with no result yet."""
+    # a peer that is stopped explains the others' timeouts: name it instead
+    stopped = watch.stopped(unfinished)
+    if stopped:
+        raise watch.error(stopped[0])
+    rank, phase, text, summary = _root_cause(errors)
+    if phase == "init" and _is_address_in_use(text):
+        raise _AddressInUse(text)
+    if _is_secondary(text):
+        reported = {e[0] for e in errors}
+        quiet = [r for r in unfinished if r not in reported]
+        dead = _dead_peer(procs, quiet, _PEER_EXIT_WAIT_S) if quiet else None
+        if dead is not None:
+            code = procs[dead].exitcode
+            raise RankFailedError(dead, _describe_death(code), code)
+    raise RankFailedError(rank, text, summary=summary)
 
 
 def default_collective_timeout_s() -> float:

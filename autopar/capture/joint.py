@@ -119,20 +119,8 @@ def capture(
 
     note = ""
     if repeat_blocks and not via_export:
-        traced: list[TrainingGraph] = []
-
-        def trace(*args, **kwargs) -> TrainingGraph:
-            traced.append(_trace_whole(*args, min_experts=min_experts, **kwargs))
-            return traced[-1]
-
-        try:
-            graph, note = capture_repeated(model, example_inputs, trace, loss_fn=loss_fn, dtype=dtype)
-        except (CaptureError, InputError):
-            graph = None  # the full trace below reports it with the model's own names
+        graph, note = _capture_repeated(model, example_inputs, loss_fn, dtype, min_experts)
         if graph is not None:
-            # the shortened stack returns what the whole one does: an output that grows with the
-            # depth holds a middle block's value, which the repeat refuses
-            graph.output_tree = traced[-1].output_tree
             return graph
 
     example_inputs = tuple(example_inputs)
@@ -174,6 +162,41 @@ def capture(
                     return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks,
                                    min_experts=min_experts)
     gm, inputs, outputs, aliases = _merge_tied(gm, inputs, outputs, groups)
+    shapes, dtypes = _param_shapes(gm, inputs)
+    if root is not model:  # report names as the user's model knows them
+        inputs, outputs, shapes, dtypes, aliases = _without_prefix(
+            "model.", inputs, outputs, shapes, dtypes, aliases)
+    _check_loss(outputs, gm)
+    return TrainingGraph(gm=gm, inputs=inputs, outputs=outputs, param_shapes=shapes,
+                         param_dtypes=dtypes, aliases=aliases,
+                         capture_time_s=time.perf_counter() - t0, preflight_time_s=t_preflight,
+                         capture_note=note, output_tree=tree)
+
+
+def _capture_repeated(model: nn.Module, example_inputs, loss_fn, dtype,
+                      min_experts: int = experts.MIN_EXPERTS) -> tuple[TrainingGraph | None, str]:
+    """`capture_repeated` with the whole-model trace; (None, why) where the blocks do not
+    repeat, and (None, "") where tracing the shortened stack fails (the full trace then
+    reports the error with the model's own names)."""
+    traced: list[TrainingGraph] = []
+
+    def trace(*args, **kwargs) -> TrainingGraph:
+        traced.append(_trace_whole(*args, min_experts=min_experts, **kwargs))
+        return traced[-1]
+
+    try:
+        graph, note = capture_repeated(model, example_inputs, trace, loss_fn=loss_fn, dtype=dtype)
+    except (CaptureError, InputError):
+        return None, ""
+    if graph is not None:
+        # the shortened stack returns what the whole one does: an output that grows with the
+        # depth holds a middle block's value, which the repeat refuses
+        graph.output_tree = traced[-1].output_tree
+    return graph, note
+
+
+def _param_shapes(gm: torch.fx.GraphModule, inputs: list[GraphInput]):
+    """{parameter: shape} and {parameter: dtype} of the graph's parameter placeholders."""
     shapes, dtypes = {}, {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -181,27 +204,21 @@ def capture(
             if spec is not None and spec.kind == "param":
                 shapes[spec.name] = tuple(int(d) for d in node.meta["val"].shape)
                 dtypes[spec.name] = node.meta["val"].dtype
-    prefix = "model." if root is not model else ""
-    if prefix:  # report names as the user's model knows them
-        inputs = [GraphInput(i.node, i.kind, i.name.removeprefix(prefix)) for i in inputs]
-        # buffer outputs are named like buffer inputs: strip the wrapper's prefix the same way
-        outputs = [GraphOutput(o.index, o.kind, o.name.removeprefix(prefix)) for o in outputs]
-        shapes = {k.removeprefix(prefix): v for k, v in shapes.items()}
-        dtypes = {k.removeprefix(prefix): v for k, v in dtypes.items()}
-        aliases = {k.removeprefix(prefix): v.removeprefix(prefix) for k, v in aliases.items()}
-    _check_loss(outputs, gm)
-    return TrainingGraph(
-        gm=gm,
-        inputs=inputs,
-        outputs=outputs,
-        param_shapes=shapes,
-        param_dtypes=dtypes,
-        aliases=aliases,
-        capture_time_s=time.perf_counter() - t0,
-        preflight_time_s=t_preflight,
-        capture_note=note,
-        output_tree=tree,
-    )
+    return shapes, dtypes
+
+
+def _without_prefix(prefix: str, inputs: list[GraphInput], outputs: list[GraphOutput],
+                    shapes: dict, dtypes: dict, aliases: dict[str, str]):
+    """The graph's names (inputs, outputs, shapes, dtypes, aliases) without the loss
+    wrapper's ``prefix``, as the user's model knows them."""
+    def strip(name: str) -> str:
+        return name.removeprefix(prefix)
+
+    # buffer outputs are named like buffer inputs: strip the wrapper's prefix the same way
+    return ([GraphInput(i.node, i.kind, strip(i.name)) for i in inputs],
+            [GraphOutput(o.index, o.kind, strip(o.name)) for o in outputs],
+            {strip(k): v for k, v in shapes.items()}, {strip(k): v for k, v in dtypes.items()},
+            {strip(k): strip(v) for k, v in aliases.items()})
 
 
 def other_outputs_at(model: nn.Module, graph: TrainingGraph, inputs: Sequence[torch.Tensor],

@@ -25,6 +25,7 @@ from autopar.capture.graph import OutputTree
 from autopar.errors import InputError
 from autopar.execution.evaluation import EvalGraphs, evaluate, refuse_pipeline
 from autopar.planning.plan import Plan
+from cost.plan_types import ExecutionReport
 from runtime.executor import RankGraph, run_step
 from runtime.pipeline import PipelinePlan
 
@@ -86,6 +87,12 @@ class ParallelModule(nn.Module):
         if original is not None:
             guard_original(original)
         self.__dict__["_tp_rng"] = _tp_rng_source(rank_graph, mesh)
+
+    @property
+    def execution_report(self) -> ExecutionReport | None:
+        """What the passes found as they rewrote this rank's graph (the ops run replicated, the
+        values recomputed per block); ``pm.plan`` is the chosen plan carrying it."""
+        return self.plan.execution
 
     def train(self, mode: bool = True) -> ParallelModule:
         """`nn.Module.train`: ``mode=False`` (``pm.eval()``) makes calls evaluate."""

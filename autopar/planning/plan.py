@@ -21,7 +21,7 @@ from autopar.search.manual import standard_layouts
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
 from cost.layout import unsupported_decisions
-from cost.plan_types import Fallback, PlanDecisions
+from cost.plan_types import ExecutionReport, Fallback, PlanDecisions
 from cost.profile import coverage_notes, coverage_within
 from cost.step import Prediction, StepFacts, predict
 
@@ -32,8 +32,10 @@ PLAN_VERSION = 2  # 2: the decisions (cost.plan_types) travel whole
 class Plan:
     """The chosen (or evaluated) parallel layout of one training step on one cluster.
 
-    ``decisions`` holds what runs (`cost.plan_types.PlanDecisions`); ``layout``, ``placements``,
-    ``stages``, ``recompute``, ``fp8`` and ``fallbacks`` read it.
+    ``decisions`` holds what runs (`cost.plan_types.PlanDecisions`, as the solver wrote it);
+    ``layout``, ``placements``, ``stages``, ``recompute``, ``fp8`` and ``fallbacks`` read it.
+    ``execution``: what the passes found as `autopar.parallelize` ran the plan (`with_execution`;
+    ``pm.plan`` carries it): ``recompute`` and ``fallbacks`` then say what ran.
     """
 
     decisions: PlanDecisions
@@ -47,6 +49,7 @@ class Plan:
     solve: dict = field(default_factory=dict)  # how the plan was reached (method, time, counts)
     alternatives: list[tuple[Layout, Prediction]] = field(default_factory=list)
     alternative_labels: list[str] = field(default_factory=list)
+    execution: ExecutionReport | None = None
     # the captured step, so explain() prices other layouts without a new capture
     _step: CapturedStep | None = field(default=None, repr=False, compare=False)
 
@@ -72,7 +75,10 @@ class Plan:
 
     @property
     def recompute(self) -> list[str]:
-        """The forward values recomputed in the backward (per block), [] if none."""
+        """The forward values recomputed in the backward (per block), [] if none: as the
+        recompute pass ran them when the plan carries an execution report."""
+        if self.execution is not None and self.execution.recompute is not None:
+            return self.execution.recompute_lines()
         return self.decisions.recompute
 
     @property
@@ -88,8 +94,15 @@ class Plan:
 
     @property
     def fallbacks(self) -> list[Fallback]:
-        """Ops that fall back to replication, with the reason."""
+        """Ops that fall back to replication, with the reason: as the passes met them when the
+        plan carries an execution report."""
+        if self.execution is not None:
+            return list(self.execution.fallbacks)
         return self.decisions.fallbacks
+
+    def with_execution(self, report: ExecutionReport) -> Plan:
+        """This plan (decisions shared, never edited) carrying ``report``: what ran."""
+        return dataclasses.replace(self, execution=report)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -165,9 +178,10 @@ class Plan:
         if lay.pp > 1:
             lines.append("pipeline stages: " + ", ".join(
                 f"{i}: blocks {a}-{b}" for i, (a, b) in enumerate(self.stages)))
-        lines.append("recompute: " + (_fold(self.recompute) if self.recompute else "none"))
+        ran = " (as run)" if self.execution is not None else ""
+        lines.append(f"recompute{ran}: " + (_fold(self.recompute) if self.recompute else "none"))
         lines.append(self._fp8_line())
-        lines.append("fallbacks: " + ("; ".join(f"{f.op} ({f.reason})" for f in self.fallbacks)
+        lines.append(f"fallbacks{ran}: " + ("; ".join(f"{f.op} ({f.reason})" for f in self.fallbacks)
                                       if self.fallbacks else "none"))
         return "\n".join(lines)
 
@@ -304,6 +318,8 @@ class Plan:
             "alternatives": [{"layout": lay.to_dict(), "predicted": pred.as_dict(), "label": label}
                              for (lay, pred), label in zip(self.alternatives, self._labels())],
         }
+        if self.execution is not None:
+            data["execution"] = self.execution.to_dict()
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -326,6 +342,7 @@ class Plan:
             alternatives=[(Layout.from_dict(a["layout"]), Prediction(**a["predicted"]))
                           for a in data.get("alternatives", [])],
             alternative_labels=[a.get("label", "") for a in data.get("alternatives", [])],
+            execution=ExecutionReport.from_dict(data["execution"]) if "execution" in data else None,
         )
 
     def _labels(self) -> list[str]:
