@@ -152,7 +152,7 @@ def _cluster(args: argparse.Namespace):
 
 # ---------------------------------------------------------------------------------- layouts
 
-_BOOL_FIELDS = ("sp", "fp32_grad_accum", "reshard", "regather")
+_BOOL_FIELDS = ("sp", "fp32_grad_accum", "reshard", "regather", "cp_balance")
 _CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE, "precision": PRECISIONS,
                   "fp8_recipe": FP8_RECIPES}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -5,8 +5,9 @@ torchtitan's Megatron plan with `parallelize_module` for TP+SP and DP x TP).
 
 Layouts: DP, ZeRO-1, ZeRO-2, ZeRO-3, TP+SP, DP x TP, pipelines (1F1B over every rank, and
 PP x DP; by hand: `torch.distributed.pipelining` with an even split of the blocks), context
-parallelism over every rank (no hand-written twin: PyTorch's context_parallel runs CUDA SDPA
-kernels only; its exposed ring time is measured against the predicted) and the
+parallelism over every rank, load-balanced and in contiguous blocks (no hand-written twin:
+PyTorch's context_parallel runs CUDA SDPA kernels only; its exposed ring time is measured
+against the predicted, the two step times side by side) and the
 solver's own plan, on a small Llama-style GPT (grouped-query attention, SwiGLU). Everything is measured in one run, side by
 side, on the same ranks; the steps of every layout, autopar's and the hand-written one, take turns
 round-robin, so that all see the same machine state. Both use
@@ -61,6 +62,8 @@ def _layouts(world: int, n_layers: int) -> dict[str, dict | None]:
     if world >= 4:
         layouts["PP x DP"] = {"pp": 2, "dp": world // 2, "grad_accum": 4}
         layouts[f"CP{world}"] = {"cp": world}  # the sequence over every rank, ring attention
+        # the same with contiguous blocks: the causal imbalance the balanced chunks remove
+        layouts[f"CP{world} contiguous"] = {"cp": world, "cp_balance": False}
     layouts["solver"] = None
     return layouts
 
@@ -487,10 +490,19 @@ def format_runtime_bench(result: dict) -> str:
 def _ring_lines(result: dict) -> str:
     """Context parallelism's exposed ring time (waits for K/V and their gradients), measured
     on the slowest rank against the cost model's exposed CP communication."""
-    return "".join(
+    rows = [r for r in result["rows"] if "ring_exposed_measured_s" in r]
+    lines = "".join(
         f"\n{r['layout']}: exposed ring time {fmt_time(r['ring_exposed_measured_s'])} per step (slowest rank's "
         f"waits for K/V blocks and their gradients), predicted {fmt_time(r['ring_exposed_predicted_s'])}"
-        for r in result["rows"] if "ring_exposed_measured_s" in r)
+        for r in rows)
+    balanced = [r for r in rows if "cp-contiguous" not in r["degrees"]]
+    contiguous = [r for r in rows if "cp-contiguous" in r["degrees"]]
+    if balanced and contiguous:  # the same layout, sequence chunks balanced or not
+        b, c = balanced[0], contiguous[0]
+        lines += (f"\ncausal load balance: step {fmt_time(b['measured_s'])} balanced (chunks r, 2cp-1-r) against "
+                  f"{fmt_time(c['measured_s'])} contiguous (measured contiguous / balanced "
+                  f"{c['measured_s'] / b['measured_s']:.2f}, predicted {c['predicted_s'] / b['predicted_s']:.2f})")
+    return lines
 
 
 def _idle_lines(result: dict) -> str:
@@ -510,7 +522,12 @@ def _overhead_line(result: dict) -> str:
         return ""
     return (f"\nfull recompute over ZeRO-3: measured +{fmt_time(o['measured_s'])} (median of the rounds' "
             f"differences; difference of the medians +{fmt_time(o['measured_difference_of_medians_s'])}), "
-            f"predicted +{fmt_time(o['predicted_s'])} (predicted / measured {o['predicted_over_measured']:.2f})")
+            f"predicted +{fmt_time(o['predicted_s'])} (predicted / measured {_ratio(o['predicted_over_measured'])})")
+
+
+def _ratio(value) -> str:
+    """A ratio to 2 decimals; "n/a" where there is none (JSON keeps NaN as null)."""
+    return "n/a" if value is None or value != value else f"{value:.2f}"
 
 
 def _sample_line(result: dict) -> str:

@@ -71,6 +71,10 @@ class Layout:
         forward's gathered full-sequence matmul inputs to the backward instead: one all-gather
         fewer per gathered input and micro-batch, those inputs held whole (tp times their
         sequence shard). Ignored without SP or without recomputation.
+    cp_balance: under context parallelism, cut the sequence in 2 cp chunks and give CP rank r
+        chunks r and 2cp-1-r, so causal attention costs every rank the same (the default);
+        False: rank r holds the r-th contiguous block (the last rank then attends 2cp/(cp+1)
+        times the average, which the cost model prices). Ignored at cp 1.
     """
 
     dp: int = 1
@@ -91,6 +95,7 @@ class Layout:
     fp8_recipe: str = "tensorwise"
     reshard: bool = True
     regather: bool = True
+    cp_balance: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatch", "grad_accum", "virtual_stages"):
@@ -138,6 +143,10 @@ class Layout:
             raise LayoutError(f"Layout.regather={self.regather!r}: True or False")
         if not self.sp or self.recompute == "none":
             object.__setattr__(self, "regather", True)  # no SP gather is recomputed then
+        if not isinstance(self.cp_balance, bool):
+            raise LayoutError(f"Layout.cp_balance={self.cp_balance!r}: True or False")
+        if self.cp == 1:
+            object.__setattr__(self, "cp_balance", True)  # no sequence split to balance
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise LayoutError(
                 f"Layout.virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b'"
@@ -209,6 +218,8 @@ class Layout:
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) > 1:
                 parts.append(f"{name}{getattr(self, name)}")
+        if not self.cp_balance:
+            parts.append("cp-contiguous")
         if self.zero:
             parts.append(f"zero{self.zero}" + ("" if self.reshard else " no-reshard"))
         if self.sp:

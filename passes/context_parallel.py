@@ -1,29 +1,32 @@
 """Context parallelism as a rewrite of the per-rank joint graph: the sequence split over cp ranks.
 
-Context parallelism is data parallelism over the sequence. CP rank r of n holds the r-th
-contiguous block of every sequence (positions [r S/n, (r+1) S/n)); parameters are replicated
-over cp. Every op that treats positions independently (embeddings, norms, matmuls, MLPs, the
-per-token loss) runs on the rank's positions alone; a weight's gradient is a sum over
-positions, so each rank's is a partial sum, all-reduced over cp (before the data-parallel
-reduction over dp, which sums over the batch the same way); a loss that is a mean or a ratio
-of sums over tokens is the ratio of the sums all-reduced over cp.
+Context parallelism is data parallelism over the sequence. The sequence is cut in 2n chunks and
+CP rank r of n holds chunks r and 2n-1-r (load-balanced: under a causal mask every rank attends
+the same number of (query, key) pairs; `passes.cp_balance`), or with ``balanced=False`` the
+r-th contiguous block; parameters are replicated over cp. Every op that treats positions
+independently (embeddings, norms, matmuls, MLPs, the per-token loss) runs on the rank's
+positions alone; a weight's gradient is a sum over positions, so each rank's is a partial sum,
+all-reduced over cp (before the data-parallel reduction over dp, which sums over the batch the
+same way); a loss that is a mean or a ratio of sums over tokens is the ratio of the sums
+all-reduced over cp.
 
 The pass runs the dp-local global joint graph once on DTensors over the 1-D "cp" mesh, as the
 tensor-parallel pass does over "tp": parameters and data replicated. Values of the data only
 (computed from the inputs and constants alone: shifted labels, position ids, RoPE tables,
 attention masks) are computed whole, as on one device; where one shaped [batch, seq, ...] meets
-parameters or activations (token ids into the embedding) it enters as the rank's block of the
-sequence (``Shard(1)``: a local slice, no communication). DTensor's sharding propagation
-computes every op exactly on those placements: other data-only values are sliced where they
-meet the rank's positions; partial sums are all-reduced
-before an op not linear in them; an op that mixes positions (a slice shifting the sequence, a
-cumsum, a convolution along it) gathers the sequence first (correct, not parallel: listed as
-the plan's fallbacks, refused under ``strict``). The one op that must mix positions of
-activations and is not gathered is attention: each scaled-dot-product attention (causal,
-unmasked or under a mask of the data only; no dropout) and its backward are replaced by ring
-attention (`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results
-merged by the log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per
-block; the ops
+parameters or activations (token ids into the embedding) it enters as the rank's part of the
+sequence (``Shard(1)``: a local slice, no communication). Balanced, ``Shard`` on the cp mesh
+means the rank's two chunks while the graph is traced (`passes.cp_balance.zigzag_shards`): the
+global view stays in position order, so every slice, gather and output follows the chunks.
+DTensor's sharding propagation computes every op exactly on those placements: other data-only
+values are sliced where they meet the rank's positions; partial sums are all-reduced before an
+op not linear in them; an op that mixes positions (a slice shifting the sequence, a cumsum, a
+convolution along it) gathers the sequence first (correct, not parallel: listed as the plan's
+fallbacks, refused under ``strict``). The one op that must mix positions of activations and is
+not gathered is attention: each scaled-dot-product attention (causal, unmasked or under a mask
+of the data only; no dropout) and its backward are replaced by ring attention
+(`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results merged by the
+log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per block; the ops
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
 
@@ -37,6 +40,7 @@ other mean-reduced loss op over a sequence-split input is refused.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import ChainMap
 from collections.abc import Sequence
@@ -50,6 +54,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cost.plan_types import GraphSignature
+from passes.cp_balance import ZigzagError, zigzag_shards
 from passes.tensor_parallel import (
     _COLLECTIVE_PREFIX,
     TensorParallelError,
@@ -119,9 +124,10 @@ def data_only(gm: fx.GraphModule, signature: GraphSignature) -> set[str]:
 
 
 def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
-                           shapes: Sequence[tuple[int, ...]], cp: int) -> None:
+                           shapes: Sequence[tuple[int, ...]], cp: int, balanced: bool = True) -> None:
     """Raise `ContextParallelError` where ``gm`` cannot run with its sequence over ``cp`` ranks:
-    no input with a sequence dimension, a sequence not divisible into cp equal blocks, a
+    no input with a sequence dimension, a sequence not divisible into cp equal blocks (2 cp
+    chunks, ``balanced``), a
     random op (its draws on a rank's block would not be one device's), or an attention the
     ring does not compute (dropout, a mask computed from activations, another
     device's kernel)."""
@@ -135,6 +141,11 @@ def check_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
         raise ContextParallelError(
             f"cp={cp}: the sequence of {seq} positions does not split into {cp} equal blocks; use a "
             f"sequence length that is a multiple of {cp}, or another cp")
+    if balanced and seq % (2 * cp):
+        raise ContextParallelError(
+            f"cp={cp}: the sequence of {seq} positions does not cut into 2*cp = {2 * cp} equal chunks "
+            f"(each rank holds chunks r and {2 * cp - 1}-r, so causal attention costs every rank the same); "
+            f"use a sequence length that is a multiple of {2 * cp}, or Layout(cp_balance=False)")
     data = data_only(gm, signature)
     for node in gm.graph.nodes:
         if _draws_random(node):
@@ -186,22 +197,25 @@ def _where(node: fx.Node) -> str:
 
 
 def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
-                           shapes: Sequence[tuple[int, ...]], mesh: DeviceMesh) -> ContextParallelGraph:
+                           shapes: Sequence[tuple[int, ...]], mesh: DeviceMesh,
+                           balanced: bool = True) -> ContextParallelGraph:
     """Trace ``gm`` (the dp-local step, whole sequences) into the graph one rank of the 1-D cp
     ``mesh`` runs. Placeholders and outputs keep their order and shapes (inputs whole: each
     rank slices its positions in the graph); gradients and the loss leave whole (all-reduced
-    over cp)."""
-    check_context_parallel(gm, signature, shapes, mesh.size())
+    over cp), returned outputs whole in position order. ``balanced``: rank r holds sequence
+    chunks r and 2cp-1-r of 2cp (`passes.cp_balance`), else the r-th contiguous block."""
+    check_context_parallel(gm, signature, shapes, mesh.size(), balanced)
     _register_cpu_attention()
     grad_outputs = {i: n for n, i in signature.grad_index.items()}
     ids = shapes[sequence_inputs(signature, shapes)[0]]
     interp = _Interpreter(gm, mesh, [Replicate()] * len(shapes), shapes, False, (ids[0], ids[1]),
                           grad_outputs, {i: Replicate() for i in grad_outputs}, signature.loss_index)
-    runner = _Runner(interp, data_only(gm, signature), (ids[0], ids[1]))
+    runner = _Runner(interp, data_only(gm, signature), (ids[0], ids[1]), balanced)
     dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    shards = zigzag_shards(mesh) if balanced else contextlib.nullcontext()
     try:
-        with fx_traceback.preserve_node_meta(), torch.no_grad():
+        with fx_traceback.preserve_node_meta(), torch.no_grad(), shards:
             traced = make_fx(runner.run, tracing_mode="fake")(*examples)
     except TensorParallelError as exc:
         raise ContextParallelError(_cp_words(str(exc))) from exc
@@ -239,8 +253,9 @@ class _Runner:
     """The TP interpreter on the cp mesh, with the sequence inputs split, attention as ring
     attention and cross-entropy's token mean as a ratio of all-reduced sums."""
 
-    def __init__(self, interp: _Interpreter, data: set[str], tokens: tuple[int, int]) -> None:
+    def __init__(self, interp: _Interpreter, data: set[str], tokens: tuple[int, int], balanced: bool) -> None:
         self.interp = interp
+        self.balanced = balanced  # zigzag chunks (passes.cp_balance), else contiguous blocks
         self.data = data  # values of the data only: computed whole, as on one device
         self.tokens = tokens  # (batch, seq) of the step's inputs
         self.mesh = interp.mesh
@@ -283,6 +298,11 @@ class _Runner:
                         env[node] = self._call(node, env)
                     except (TensorParallelError, ContextParallelError):
                         raise
+                    except ZigzagError as exc:
+                        n = self.mesh.size()
+                        raise ContextParallelError(
+                            f"cp={n}: {node.target} ({node}) {_where(node)}: {exc}; make that dimension a "
+                            f"multiple of {2 * n} (e.g. the sequence length), or Layout(cp_balance=False)") from exc
                     except Exception as exc:
                         raise TensorParallelError(_failure(node, env, exc, False)) from exc
             elif node.op == "get_attr":
@@ -332,9 +352,13 @@ class _Runner:
         n = self.mesh.size()
         return (self.mesh.get_group().group_name, self.mesh.get_local_rank(), n)
 
+    def _ring_tail(self, mask):
+        """The ring ops' trailing arguments: the whole mask and the chunk layout."""
+        return mask, self.balanced
+
     def _ring_forward(self, node: fx.Node, env):
         """(O, lse) of the whole sequence's attention, this rank's block of the queries."""
-        _check_ring_lengths(node, [env[a].shape for a in node.args[:3]], self.mesh.size())
+        _check_ring_lengths(node, [env[a].shape for a in node.args[:3]], self.mesh.size(), self.balanced)
         q, k, v = (self._sequence(env[a], a, 2, node) for a in node.args[:3])
         causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
         scale = node.kwargs.get("scale")
@@ -343,7 +367,7 @@ class _Runner:
         with _why(f"CP: ring attention {node} (K/V blocks passed round the {n} CP ranks, merged by "
                   "log-sum-exp)"):
             out, lse = torch.ops.autopar.ring_attention(q, k, v, bool(causal), scale, *self._ring_args(node, env),
-                                                        mask)
+                                                        *self._ring_tail(mask))
         self.rings += 1
         shape = tuple(env[node.args[0]].shape)
         val = node.meta["val"]
@@ -358,7 +382,8 @@ class _Runner:
         mask = self._whole_mask(node, env)
         with _why(f"CP: ring attention's backward {node} (K/V and their gradients round the CP ranks)"):
             dq, dk, dv = torch.ops.autopar.ring_attention_backward(dout, q, k, v, out, lse, bool(causal), scale,
-                                                                   *self._ring_args(node, env), mask)
+                                                                   *self._ring_args(node, env),
+                                                                   *self._ring_tail(mask))
         return tuple(_place_like(g, self.mesh, val) for g, val in zip((dq, dk, dv), node.meta["val"]))
 
     def _nll_backward(self, node: fx.Node, env):
@@ -401,16 +426,19 @@ class _Runner:
         return loss, total
 
 
-def _check_ring_lengths(node: fx.Node, shapes, cp: int) -> None:
-    """The ring splits Q and K/V into the same cp equal blocks: their sequence lengths (dim 2
-    of [b, h, s, d]) must agree and divide by cp (a token prepended inside the model does not)."""
+def _check_ring_lengths(node: fx.Node, shapes, cp: int, balanced: bool) -> None:
+    """The ring splits Q and K/V into the same cp equal blocks (2 cp chunks, ``balanced``):
+    their sequence lengths (dim 2 of [b, h, s, d]) must agree and divide by them (a token
+    prepended inside the model does not)."""
     lengths = [s[2] for s in shapes]
-    if len(set(lengths)) != 1 or lengths[0] % cp:
+    parts = 2 * cp if balanced else cp
+    if len(set(lengths)) != 1 or lengths[0] % parts:
         raise ContextParallelError(
             f"cp={cp}: attention {node} {_where(node)} runs over sequences of lengths q={lengths[0]}, "
             f"k={lengths[1]}, v={lengths[2]}; ring attention needs Q and K/V of one length divisible "
-            f"by cp={cp} (a token prepended or a cache appended inside the model changes it); make the "
-            "attention's length a multiple of cp (e.g. shorten the input by the prepended tokens), or cp=1")
+            f"by cp={cp}" + (f" into 2*cp = {parts} load-balanced chunks" if balanced else "")
+            + " (a token prepended or a cache appended inside the model changes it); make the "
+            f"attention's length a multiple of {parts} (e.g. shorten the input by the prepended tokens), or cp=1")
 
 
 def _place_like(local: torch.Tensor, mesh: DeviceMesh, like: torch.Tensor) -> DTensor:

@@ -69,6 +69,13 @@ _NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.defaul
 _PARALLEL_LOSS = {aten._log_softmax.default, aten.nll_loss_forward.default,
                   aten._log_softmax_backward_data.default, aten.nll_loss_backward.default}
 _SAME_VALUE = {aten.clone.default, aten.alias.default, aten.detach.default}
+# The ops DTensor's loss_parallel takes over, and (argument, its dim argument) of the input it
+# requires sharded on the class dim (dim None: 1, or 0 for 1-D).
+_LOSS_PARALLEL_INPUT = {
+    aten._log_softmax.default: (0, 1), aten._log_softmax_backward_data.default: (1, 2),
+    aten.nll_loss_forward.default: (0, None), aten.nll_loss2d_forward.default: (0, None),
+    aten.nll_loss_backward.default: (1, None), aten.nll_loss2d_backward.default: (1, None),
+}
 _COLLECTIVE_PREFIX = "_c10d_functional."
 
 
@@ -224,7 +231,8 @@ class _Interpreter:
             args = self._gather_merged_sequence(node, args)
         if node.target in _MATMULS and self.sp:
             args = self._gather_column_input(node, args)
-        if node.target in _LOSS_PLAIN_ARGS:  # loss_parallel wants labels and weights plain
+        plain_loss = _outside_loss_parallel(node, args)
+        if node.target in _LOSS_PLAIN_ARGS and not plain_loss:  # loss_parallel wants labels plain
             args = tuple(a.to_local() if i in _LOSS_PLAIN_ARGS[node.target] and isinstance(a, DTensor)
                          and a.placements[0] == Replicate() else a for i, a in enumerate(args))
         if str(node.target) in self.replicated_ops or (node.target in _CONVOLUTIONS and any(
@@ -248,8 +256,10 @@ class _Interpreter:
         if node.target in _PARALLEL_LOSS:
             why = (f"TP: parallel cross-entropy over the vocabulary-sharded logits ({node}: "
                    "max, sum of exponentials and target logit summed over TP ranks)")
+        if plain_loss:
+            why = f"TP: {node} ({_op_name(node)}) on logits not sharded over the classes"
         try:
-            with _why(why):
+            with _why(why), (_no_loss_parallel() if plain_loss else contextlib.nullcontext()):
                 out = node.target(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as exc:
             if not _no_strategy(exc):
@@ -441,6 +451,29 @@ def _failure(node: fx.Node, env, exc: Exception, sp: bool) -> str:
     return (f"TP: {_op_name(node)} ({node}) {where} cannot run on its inputs' placements "
             f"{placements} ({type(exc).__name__}: {first}); fix: {fix} for this model, or keep the "
             "weights that feed this op replicated")
+
+
+def _outside_loss_parallel(node: fx.Node, args) -> bool:
+    """A log-softmax or nll op whose input is not sharded over the classes (the logits of a
+    head left replicated, or split by rows): loss_parallel's handlers refuse any such input,
+    so it runs under DTensor's own rules (`_no_loss_parallel`)."""
+    where = _LOSS_PARALLEL_INPUT.get(node.target)
+    if where is None:
+        return False
+    arg, dim = where
+    return not _class_sharded(args[arg], None if dim is None else args[dim])
+
+
+@contextlib.contextmanager
+def _no_loss_parallel():
+    """DTensor's dispatch without loss_parallel's handlers (its own `_disable_custom_loss_ops`
+    touches the same table), restored afterwards."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    saved = {op: handlers.pop(op) for op in _LOSS_PARALLEL_INPUT if op in handlers}
+    try:
+        yield
+    finally:
+        handlers.update(saved)
 
 
 def _class_sharded(x, dim: int | None = None) -> bool:

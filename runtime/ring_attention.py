@@ -1,7 +1,9 @@
 """Ring attention: scaled-dot-product attention over a sequence split across context-parallel ranks.
 
-Rank r of n holds the r-th contiguous block of the sequence: queries Q_r, keys K_r, values
-V_r, each [b, h, s/n, d]. Attention of Q_r over the whole sequence is a merge of per-block
+Rank r of n holds part of the sequence: its r-th contiguous block, or, load-balanced, chunks r
+and 2n-1-r of 2n (`rank_chunks`; every rank then attends the same number of causal (query,
+key) pairs): queries Q_r, keys K_r, values V_r, each [b, h, s/n, d], the chunks in position
+order. Attention of Q_r over the whole sequence is a merge of per-block
 attentions. For one block j, with S_rj = scale * Q_r K_j^T (masked above the diagonal when
 causal),
 
@@ -14,11 +16,12 @@ and the blocks merge by the log-sum-exp rule (exact, in any order):
 Forward: the K/V blocks travel round the ring (rank r sends to r+1, receives from r-1), so at
 step t rank r holds block j = (r - t) mod n; the transfer of the next block is started before
 the local block's attention and waited for after it (communication overlapped with compute).
-Causal: block j < r is attended fully, j = r with the causal mask (equal block sizes: the
-diagonal is aligned), j > r is skipped (every key after every query). An explicit mask M
-(boolean, or additive float; a value of the data only: every rank holds it whole, [.., S, S])
-is sliced per block, M[.., rows of r, columns of j]; a block it masks entirely is skipped, and
-a query row it masks entirely within one block contributes nothing (O = 0, lse = -inf).
+Causal, per pair of chunks (query chunk i, key chunk j): j < i attended fully (one call over
+every such key chunk of the step), j = i with the causal mask (equal chunk sizes: the diagonal
+is aligned), j > i skipped (every key after every query). An explicit mask M (boolean, or
+additive float; a value of the data only: every rank holds it whole, [.., S, S]) is sliced per
+pair, M[.., rows of i, columns of j]; a pair it masks entirely is skipped, and a query row it
+masks entirely within one call contributes nothing (O = 0, lse = -inf).
 
 Backward, with the merged O_r and lse_r and the output gradient dO_r: per block,
 P_rj = exp(S_rj - lse_r), D_r = rowsum(dO_r * O_r), dS_rj = P_rj * (dO_r V_j^T - D_r) and
@@ -46,8 +49,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["block_attention", "block_attention_backward", "measure_waits", "merge", "ring_attention_forward",
-           "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
+__all__ = ["block_attention", "block_attention_backward", "measure_waits", "merge", "rank_chunks",
+           "ring_attention_forward", "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
 
 aten = torch.ops.aten
 
@@ -69,10 +72,39 @@ def measure_waits() -> Iterator[list[float]]:
 
 
 def block_kind(rank: int, block: int, causal: bool) -> str:
-    """How queries of contiguous block ``rank`` attend keys of block ``block``."""
+    """How queries of sequence chunk ``rank`` attend keys of chunk ``block`` (chunk indices in
+    position order)."""
     if not causal or block < rank:
         return FULL
     return CAUSAL if block == rank else SKIP
+
+
+def rank_chunks(rank: int, size: int, balanced: bool) -> tuple[int, ...]:
+    """The sequence chunks rank ``rank`` of ``size`` holds, in position order: its contiguous
+    block (``size`` chunks), or, load-balanced, chunks ``rank`` and ``2 size - 1 - rank`` of
+    ``2 size`` (every rank then attends the same number of causal (query, key) pairs)."""
+    return (rank, 2 * size - 1 - rank) if balanced else (rank,)
+
+
+def _groups(q_chunks, kv_chunks, causal: bool):
+    """The attention calls of one ring step: [(query sub-blocks, key sub-blocks, causal)],
+    sub-blocks as local indices into the rank's chunks (adjacent ones: a contiguous range).
+    The rank's own K/V under a causal mask: one causal call (its chunks are in position order
+    and of equal size, so the local diagonal is the global one); else per query chunk one
+    call over the key chunks before it, query chunks attending the same keys merged."""
+    if causal and q_chunks == kv_chunks:
+        every = tuple(range(len(q_chunks)))
+        return [(every, every, True)]
+    calls = []
+    for a, qc in enumerate(q_chunks):
+        full = tuple(b for b, kc in enumerate(kv_chunks) if block_kind(qc, kc, causal) == FULL)
+        if not full:
+            continue
+        if calls and calls[-1][1] == full and calls[-1][0][-1] == a - 1:
+            calls[-1] = (calls[-1][0] + (a,), full, False)
+        else:
+            calls.append(((a,), full, False))
+    return calls
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -151,36 +183,79 @@ def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     return out, new
 
 
-def block_mask(mask: torch.Tensor | None, rank: int, block: int, size: int) -> torch.Tensor | None:
-    """The whole mask's [.., rows of block ``rank``, columns of block ``block``]; None where no
-    mask is given; ``SKIP`` where it masks every entry of the block."""
+def block_mask(mask: torch.Tensor | None, q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...],
+               chunks: int) -> torch.Tensor | None:
+    """The whole mask's [.., rows of ``q_chunks``, columns of ``kv_chunks``] (the sequence in
+    ``chunks`` equal chunks); None where no mask is given; ``SKIP`` where it masks every
+    entry."""
     if mask is None:
         return None
     seq = mask.shape[-1]
     mask = torch.broadcast_to(mask, (*mask.shape[:-2], seq, seq))  # a key-padding row [.., 1, S]
-    c = seq // size
-    part = mask[..., rank * c:(rank + 1) * c, block * c:(block + 1) * c]
+    c = seq // chunks
+    rows = torch.cat([mask[..., q * c:(q + 1) * c, :] for q in q_chunks], dim=-2)
+    part = torch.cat([rows[..., k * c:(k + 1) * c] for k in kv_chunks], dim=-1)
     allowed = part if part.dtype == torch.bool else ~torch.isneginf(part)
     return part.contiguous() if bool(allowed.any()) else SKIP
 
 
-def _forward_step(state, q, kv, rank: int, block: int, causal: bool, scale, mask, size: int):
-    kind = block_kind(rank, block, causal)
-    part = block_mask(mask, rank, block, size)
-    if kind == SKIP or isinstance(part, str):
-        return state
-    k, v = kv.chunk(2, dim=0)
-    return merge(*state, *block_attention(q, k, v, kind == CAUSAL, scale, part))
+def _range(blocks: tuple[int, ...], count: int, length: int) -> slice:
+    """The local positions of adjacent sub-blocks ``blocks`` of ``count`` in ``length``."""
+    width = length // count
+    assert list(blocks) == list(range(blocks[0], blocks[-1] + 1)), blocks
+    return slice(blocks[0] * width, (blocks[-1] + 1) * width)
 
 
-def _backward_step(dq, dkv, dout, q, kv, out, lse, rank: int, block: int, causal: bool, scale, mask, size: int):
-    kind = block_kind(rank, block, causal)
-    part = block_mask(mask, rank, block, size)
-    if kind == SKIP or isinstance(part, str):
-        return dq, dkv
+class _Ring:
+    """One rank's view of the ring: its chunks and the chunks each ring step brings."""
+
+    def __init__(self, rank: int, size: int, causal: bool, balanced: bool, mask) -> None:
+        self.rank, self.size, self.causal, self.mask = rank, size, causal, mask
+        self.balanced = balanced
+        self.per_rank = 2 if balanced else 1
+        self.chunks = size * self.per_rank
+        self.q_chunks = rank_chunks(rank, size, balanced)
+
+    def calls(self, source: int, length: int):
+        """[(query positions, key positions, causal, mask part)] against rank ``source``'s K/V
+        (positions: slices of the rank's ``length`` local ones)."""
+        kv_chunks = rank_chunks(source, self.size, self.balanced)
+        out = []
+        for qs, bs, causal in _groups(self.q_chunks, kv_chunks, self.causal):
+            part = block_mask(self.mask, tuple(self.q_chunks[a] for a in qs), tuple(kv_chunks[b] for b in bs),
+                              self.chunks)
+            if not isinstance(part, str):
+                out.append((_range(qs, self.per_rank, length), _range(bs, self.per_rank, length), causal, part))
+        return out
+
+
+def _empty_state(q):
+    """(O, lse) before any block: 0 and -inf (a merge with it returns the block's own)."""
+    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
+
+
+def _forward_step(state, q, kv, ring: _Ring, source: int, scale):
+    """The running (O, lse) of this rank's queries, merged with rank ``source``'s K/V."""
     k, v = kv.chunk(2, dim=0)
-    bq, bk, bv = block_attention_backward(dout, q, k, v, out, lse, kind == CAUSAL, scale, part)
-    return dq + bq.float(), dkv + torch.cat([bk, bv]).float()
+    out, lse = state
+    for rows, cols, causal, part in ring.calls(source, q.shape[2]):
+        block = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale, part)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *block)
+    return out, lse
+
+
+def _backward_step(dq, dkv, dout, q, kv, out, lse, ring: _Ring, source: int, scale):
+    """dQ and the travelling (dK, dV) accumulator, added in place."""
+    k, v = kv.chunk(2, dim=0)
+    b = k.shape[0]
+    for rows, cols, causal, part in ring.calls(source, q.shape[2]):
+        bq, bk, bv = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                              out[:, :, rows], lse[:, :, rows], causal, scale, part)
+        dq[:, :, rows] += bq.float()
+        dkv[:b, :, cols] += bk.float()
+        dkv[b:, :, cols] += bv.float()
+    return dq, dkv
 
 
 def _check(q, k, v) -> None:
@@ -214,40 +289,33 @@ class _RingLink:
 
 
 def ring_attention_forward(q, k, v, causal: bool, scale: float | None, group, rank: int,
-                           size: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (O, lse) of attention over the sequence split in ``size`` contiguous blocks
-    over ``group`` (this rank holds block ``rank``); ``mask``: the whole [.., S, S] mask."""
+                           size: int, mask: torch.Tensor | None = None,
+                           balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (O, lse) of attention over the sequence split over the ``size`` ranks of
+    ``group`` (chunks as `rank_chunks` deals them); ``mask``: the whole [.., S, S] mask."""
     _check(q, k, v)
     link = _RingLink(group, rank, size)
+    ring = _Ring(rank, size, causal, balanced, mask)
     kv = torch.cat([k, v])
-    state = (None, None)
+    out, lse = _empty_state(q)
     for t in range(size):
         wait = None
         if t < size - 1:  # the next block travels while this one is attended
             incoming, wait = link.start(kv)
-        state = _forward_step(state, q, kv, rank, (rank - t) % size, causal, scale, mask, size)
+        out, lse = _forward_step((out, lse), q, kv, ring, (rank - t) % size, scale)
         if wait is not None:
             wait()
             kv = incoming
-    out, lse = _finish(state, q)
     return out.to(q.dtype), lse
 
 
-def _finish(state, q):
-    """The merged (O, lse); every block skipped (a row block masked whole): O = 0, lse = -inf."""
-    out, lse = state
-    if out is None:
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    return out, lse
-
-
 def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None, group,
-                            rank: int, size: int,
-                            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            rank: int, size: int, mask: torch.Tensor | None = None,
+                            balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (dQ, dK, dV); ``out`` and ``lse`` are the merged forward's."""
     _check(q, k, v)
     link = _RingLink(group, rank, size)
+    ring = _Ring(rank, size, causal, balanced, mask)
     kv = torch.cat([k, v])
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
@@ -255,8 +323,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float 
         wait = None
         if t < size - 1:
             incoming, wait = link.start(kv)
-        dq, dkv = _backward_step(dq, dkv, dout, q, kv, out, lse, rank, (rank - t) % size, causal, scale,
-                                 mask, size)
+        dq, dkv = _backward_step(dq, dkv, dout, q, kv, out, lse, ring, (rank - t) % size, scale)
         # the accumulator follows its block: after the last step it reaches the block's owner
         dkv, wait_grad = link.start(dkv, tag=1)
         wait_grad()
@@ -267,30 +334,32 @@ def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, mask=None):
+def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, mask=None,
+                          balanced: bool = False):
     """`ring_attention_forward` of every rank, run in one process in lock step (the ring's
     transfers are list rotations): [(O_r, lse_r)] for the blocks ``qs[r], ks[r], vs[r]``."""
     n = len(qs)
+    rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
     kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
-    states = [(None, None)] * n
+    states = [_empty_state(q) for q in qs]
     for t in range(n):
-        states = [_forward_step(states[r], qs[r], kvs[r], r, (r - t) % n, causal, scale, mask, n)
-                  for r in range(n)]
+        states = [_forward_step(states[r], qs[r], kvs[r], rings[r], (r - t) % n, scale) for r in range(n)]
         kvs = [kvs[(r - 1) % n] for r in range(n)]
-    return [(o.to(q.dtype), lse) for (o, lse), q in ((_finish(st, q), q) for st, q in zip(states, qs))]
+    return [(o.to(q.dtype), lse) for (o, lse), q in zip(states, qs)]
 
 
 def simulate_ring_backward(douts, qs, ks, vs, outs, lses, causal: bool, scale: float | None = None,
-                           mask=None):
+                           mask=None, balanced: bool = False):
     """`ring_attention_backward` of every rank in one process: [(dQ_r, dK_r, dV_r)]."""
     n = len(qs)
+    rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
     kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
     dqs = [torch.zeros(q.shape) for q in qs]
     dkvs = [torch.zeros(kv.shape) for kv in kvs]
     for t in range(n):
         for r in range(n):
             dqs[r], dkvs[r] = _backward_step(dqs[r], dkvs[r], douts[r], qs[r], kvs[r], outs[r], lses[r],
-                                             r, (r - t) % n, causal, scale, mask, n)
+                                             rings[r], (r - t) % n, scale)
         kvs = [kvs[(r - 1) % n] for r in range(n)]
         dkvs = [dkvs[(r - 1) % n] for r in range(n)]
     return [(dq.to(q.dtype), *(g.to(q.dtype) for g in dkv.chunk(2, dim=0))) for dq, dkv, q in zip(dqs, dkvs, qs)]
@@ -306,14 +375,14 @@ def _group(name: str):
 @torch.library.custom_op("autopar::ring_attention", mutates_args=())
 def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
                       group_name: str, rank: int, size: int,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor | None = None, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_attention_forward` over the process group named ``group_name``."""
-    out, lse = ring_attention_forward(q, k, v, is_causal, scale, _group(group_name), rank, size, mask)
+    out, lse = ring_attention_forward(q, k, v, is_causal, scale, _group(group_name), rank, size, mask, balanced)
     return out.contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None):
+def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None, balanced=False):
     # contiguous, as the real op returns (empty_like would copy q's strides)
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -322,13 +391,14 @@ def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None):
 def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
                                group_name: str, rank: int, size: int,
-                               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               mask: torch.Tensor | None = None,
+                               balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ring_attention_backward` over the process group named ``group_name``."""
     dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal, scale, _group(group_name),
-                                         rank, size, mask)
+                                         rank, size, mask, balanced)
     return dq.contiguous(), dk.clone(), dv.clone()  # dk, dv: views of one buffer
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size, mask=None):
+def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size, mask=None, balanced=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -241,7 +241,7 @@ def _context_parallel(state: RankRewrite, lay: Layout) -> None:
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         traced = apply_context_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders],
-                                        state.mesh["cp"])
+                                        state.mesh["cp"], balanced=lay.cp_balance)
     except ContextParallelError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
     gathered = [Fallback(op, why) for op, why in traced.gathered]

@@ -20,10 +20,18 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
                scale: float) -> np.ndarray:
     """Exposed CP seconds per pipeline stage for one micro-batch (zeros at cp 1).
 
-    Ring attention (Liu et al. 2023) sends each K/V shard around the cp ranks of its group
-    (`axis_group(cluster, cp, tp)`): cp-1 point-to-point steps of K and V in the forward, K, V
-    and their gradients again in the backward (3 (cp-1) steps), overlapped with the attention
-    they feed; what exceeds that attention's time is exposed.
+    Ring attention (Liu et al. 2023) passes each K/V shard round the cp ranks of its group
+    (`axis_group(cluster, cp, tp)`) in cp - 1 point-to-point steps, each transfer overlapped
+    with the attention of the block in hand. With the sequence load-balanced (``cp_balance``:
+    rank r holds chunks r and 2cp-1-r of 2cp) every step costs every rank the same attention,
+    a / cp of the rank's attention time a (forward; 2 a backward). With c one K/V transfer:
+
+        forward    (cp - 1) max(0, c - a / cp)
+        backward   (cp - 1) (c + max(0, c - 2 a / cp))   (dK/dV follow their block, not overlapped)
+
+    Contiguous blocks (``cp_balance=False``): under a causal mask rank r attends r + 1/2 of
+    its cp blocks, the last (2cp - 1) / cp times the average; the others wait for it at the
+    ring's transfers, (cp - 1) / cp x 3 a more per attention (forward and backward), added here.
     """
     tp, cp, pp, n = lay.tp, lay.cp, lay.pp, facts.nodes
     exposed_per_stage = np.zeros(pp)
@@ -33,8 +41,10 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     att = n.is_attention
     kv_local = n.attention_kv_bytes[att] * scale / cp / np.where(n.tp_div[att], tp, 1)
     step = np.array([collective_time("send_recv", float(k), group, cluster) for k in kv_local])
-    comm = 3 * (cp - 1) * step  # forward: cp-1 steps of K,V; backward: K,V again plus dK,dV
-    att_time = times[att] * ATTENTION_FWD_BWD_OVER_FWD
-    exposed = np.maximum(0.0, comm - att_time)
+    a = times[att]
+    per_step = a / cp
+    exposed = (cp - 1) * (np.maximum(0.0, step - per_step) + step + np.maximum(0.0, step - 2 * per_step))
+    if not lay.cp_balance:
+        exposed = exposed + (cp - 1) / cp * ATTENTION_FWD_BWD_OVER_FWD * a
     np.add.at(exposed_per_stage, node_stages(facts, cluster, lay)[att], exposed)
     return exposed_per_stage
