@@ -44,6 +44,10 @@ from autopar.capture.repeat import _alike, _equal
 JointTracer = Callable[[nn.Module], tuple]
 
 META = "expert_group"  # node meta: (the experts' list path, E) on the grouped nodes
+# node meta on the grouped nodes: "fwd" / "bwd" (the template's own ops), "w<k>" (the stacked
+# parameter k), and on the template's results a tuple of "y" (the forward's), "dx", "dw<k>"
+ROLE = "expert_role"
+RESULT = "expert_result"
 
 _aten = torch.ops.aten
 
@@ -135,13 +139,14 @@ _expert_call.register_autograd(_backward, setup_context=_setup)
 MIN_EXPERTS = 16
 
 
-def find_expert_lists(model: nn.Module) -> list[ExpertList]:
-    """The model's `ModuleList`s of at least `MIN_EXPERTS` alike modules with trainable
-    parameters and no buffers (candidates: whether the forward runs them as a group is seen
-    while tracing)."""
+def find_expert_lists(model: nn.Module, min_experts: int = MIN_EXPERTS) -> list[ExpertList]:
+    """The model's `ModuleList`s of at least ``min_experts`` (at least 2) alike modules with
+    trainable parameters and no buffers (candidates: whether the forward runs them as a group
+    is seen while tracing). Expert parallelism groups every list (``min_experts`` 2): its pass
+    rewrites the grouped computation."""
     found = []
     for path, module in model.named_modules():
-        if type(module) is not nn.ModuleList or len(module) < MIN_EXPERTS or path in _EXCLUDED:
+        if type(module) is not nn.ModuleList or len(module) < max(2, min_experts) or path in _EXCLUDED:
             continue
         experts = list(module)
         first = experts[0]
@@ -416,7 +421,13 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
         node = graph.node_copy(n, lambda a: env[a])
         node.meta.update(base)
         node.meta["partitioner_tag"] = tag
+        node.meta[ROLE] = "fwd" if tag == "is_forward" else "bwd"
         env[n] = node
+
+    def result(node: fx.Node, role: str) -> None:
+        if node.meta.get(ROLE) not in ("fwd", "bwd"):  # a template input returned as it is
+            return
+        node.meta[RESULT] = (*node.meta.get(RESULT, ()), role)
 
     backward = {n for n in tnodes if n.meta.get("partitioner_tag") == "is_backward"}
     fwd_meta = {**base, "partitioner_tag": "is_forward"}
@@ -429,10 +440,14 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
                 raise NotGroupable(f"{group.path}: the grouped expert has an input {s.name}", group.path)
             parts = [c.args[0] for c in fwd] if s.name == "x" else [c.args[1][int(s.name[1:])] for c in fwd]
             env[n] = _stacked(graph, parts, fwd_meta)
+            if s.name != "x":
+                env[n].meta[ROLE] = f"w{s.name[1:]}"
         for n in tnodes:
             if n.op == "call_function" and n not in backward:
                 copy(n, "is_forward")
-        _unstack(graph, fwd, env[t_out[next(o.index for o in tout if o.kind == "loss")]], fwd_meta)
+        y = env[t_out[next(o.index for o in tout if o.kind == "loss")]]
+        result(y, "y")
+        _unstack(graph, fwd, y, fwd_meta)
     bwd_meta = {**base, "partitioner_tag": "is_backward"}
     with graph.inserting_after(max(bwd, key=order.get)):
         tangent = next(n for n, s in holders.items() if s.kind == "tangent")
@@ -442,6 +457,8 @@ def _splice(graph: fx.Graph, group: ExpertList, fwd: list[fx.Node], bwd: list[fx
                 copy(n, "is_backward")
         grads = {o.name: env[t_out[o.index]] for o in tout if o.kind == "grad"}
         whole = [grads["x"]] + [grads[f"p{k}"] for k in range(len(group.names))]
+        for k, value in enumerate(whole):
+            result(value, "dx" if k == 0 else f"dw{k - 1}")
         slots: list[list[fx.Node | None]] = [[None] * E for _ in whole]
         for e, b in enumerate(bwd):
             for user in b.users:

@@ -96,6 +96,7 @@ def capture(
     dtype: torch.dtype | None = None,
     repeat_blocks: bool = True,
     group_experts: bool = True,
+    min_experts: int = experts.MIN_EXPERTS,
 ) -> TrainingGraph:
     """Capture ``loss = model(*example_inputs); loss.backward()`` as a joint aten graph.
 
@@ -111,12 +112,14 @@ def capture(
     faster); the whole model is traced where the blocks do not repeat exactly.
     ``group_experts`` traces a loop over a list of alike experts as one grouped computation
     (`autopar.capture.experts`); the experts are traced one by one where that does not apply.
+    ``min_experts``: the fewest experts in a list grouped (expert parallelism groups every
+    list: its pass rewrites the grouped computation).
     """
     from autopar.capture.validate import validate_inputs
 
     note = ""
     if repeat_blocks and not via_export:
-        graph, note = _capture_repeated(model, example_inputs, loss_fn, dtype)
+        graph, note = _capture_repeated(model, example_inputs, loss_fn, dtype, min_experts)
         if graph is not None:
             return graph
 
@@ -126,7 +129,7 @@ def capture(
     module_names = {id(m): name for name, m in (root if loss_fn is not None else model).named_modules()}
 
     t0 = time.perf_counter()
-    expert_lists = experts.find_expert_lists(model) if group_experts and not via_export else []
+    expert_lists = experts.find_expert_lists(model, min_experts) if group_experts and not via_export else []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with _tracing_flags(), _fake_parameters(root, fake_mode, dtype) as groups:
         fake_inputs = tuple(_to_fake(x, fake_mode, dtype) for x in example_inputs)
@@ -146,7 +149,8 @@ def capture(
         except Exception as exc:
             if expert_lists:  # a list that is no group of experts: trace it as it is
                 with experts.excluding(exc, expert_lists):
-                    return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks)
+                    return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks,
+                                   min_experts=min_experts)
             raise CaptureError.from_exception(exc, module_names) from exc
         if not via_export:  # export's own nn_module_stack metadata serves otherwise
             _label_modules(gm)
@@ -155,7 +159,8 @@ def capture(
                 note = experts.grouped_note(experts.group_experts(gm, expert_lists, functools.partial(_trace_fake, fake_mode=fake_mode)), note)
             except experts.NotGroupable as exc:
                 with experts.excluding(exc, expert_lists):
-                    return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks)
+                    return capture(model, example_inputs, loss_fn, via_export, dtype, repeat_blocks,
+                                   min_experts=min_experts)
     gm, inputs, outputs, aliases = _merge_tied(gm, inputs, outputs, groups)
     shapes, dtypes = _param_shapes(gm, inputs)
     if root is not model:  # report names as the user's model knows them
@@ -168,14 +173,15 @@ def capture(
                          capture_note=note, output_tree=tree)
 
 
-def _capture_repeated(model: nn.Module, example_inputs, loss_fn, dtype) -> tuple[TrainingGraph | None, str]:
+def _capture_repeated(model: nn.Module, example_inputs, loss_fn, dtype,
+                      min_experts: int = experts.MIN_EXPERTS) -> tuple[TrainingGraph | None, str]:
     """`capture_repeated` with the whole-model trace; (None, why) where the blocks do not
     repeat, and (None, "") where tracing the shortened stack fails (the full trace then
     reports the error with the model's own names)."""
     traced: list[TrainingGraph] = []
 
     def trace(*args, **kwargs) -> TrainingGraph:
-        traced.append(_trace_whole(*args, **kwargs))
+        traced.append(_trace_whole(*args, min_experts=min_experts, **kwargs))
         return traced[-1]
 
     try:
@@ -271,9 +277,11 @@ def _user_frames(trace: str, package_dirs: Sequence[str]) -> str:
     return "\n".join(line for b in kept for line in b)
 
 
-def _trace_whole(model: nn.Module, example_inputs, loss_fn=None, dtype=None) -> TrainingGraph:
+def _trace_whole(model: nn.Module, example_inputs, loss_fn=None, dtype=None,
+                 min_experts: int = experts.MIN_EXPERTS) -> TrainingGraph:
     """`capture` without repeating blocks (what `capture_repeated` traces its four with)."""
-    return capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype, repeat_blocks=False)
+    return capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype, repeat_blocks=False,
+                   min_experts=min_experts)
 
 
 def _trace_fake(root: nn.Module, fake_mode: FakeTensorMode):

@@ -526,6 +526,9 @@ class _BlockExpansion:
         if self.stack.index(label) is not None:
             block = copy if copy is not None else self._instance(self.block.get(src))
             node.meta["module"] = self.stack.rename(label, block)
+            group = node.meta.get("expert_group")
+            if group is not None:  # grouped experts: the list of this block (labelled "<list>.*")
+                node.meta["expert_group"] = (node.meta["module"].removesuffix(".*"), group[1])
         seq = node.meta.get("seq_nr")
         if seq is not None:
             node.meta["seq_nr"] = self.seq.renumber(seq, copy, self.extra)

@@ -24,9 +24,12 @@ torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B
 the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP and recompute)
 runs on a ("dp", "cp", "tp") mesh: after TP's place, the context-parallel pass
 (passes/context_parallel.py) splits every sequence over "cp" and runs attention as ring
-attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Any other decision
-(ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, expert parallelism, a
-precision other than the model's) is an
+attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Expert parallelism
+(ep > 1, with DP and ZeRO) groups every list of alike experts at capture and the expert-parallel
+pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
+consecutive dp ranks, with all-to-alls; the experts' parameters stay whole on every rank. Any
+other decision (ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, ep with TP,
+pipelines, cp or FP8, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
 The loss trains as on one device wherever the layout splits the batch (data parallelism,
@@ -175,7 +178,7 @@ def parallelize(
     # the step is captured for one micro-batch; the executor runs it grad_accum times
     local_inputs = tuple(x.chunk(lay.dp, dim=0)[_dp_rank(mesh)] for x in example_inputs)
     micro_inputs = tuple(x[: x.shape[0] // m] for x in local_inputs)
-    graph = _capture_local(model, micro_inputs, loss_fn)
+    graph = _capture_local(model, micro_inputs, loss_fn, lay.ep)
     check_mergeable(model, graph, micro_inputs, local_inputs, loss_fn, m)
     signature = captured_signature(graph)
     reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction,
@@ -274,12 +277,13 @@ def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> Devic
 _LOCAL_GRAPHS = StepCache(size=4)
 
 
-def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn):
+def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn, ep: int = 1):
     """Capture the per-rank step; re-used (a fresh copy each time) for a model whose
     `step_key` is the same (class, attributes, mode, dtypes, inputs, loss), e.g. when trying
-    several layouts."""
-    key = step_key(model, local_inputs, loss_fn)
-    graph = copy.copy(_LOCAL_GRAPHS.get(key, lambda: capture(model, local_inputs, loss_fn=loss_fn)))
+    several layouts. Under expert parallelism (``ep`` > 1) every expert list is grouped."""
+    grouping = {"min_experts": 2} if ep > 1 else {}
+    key = step_key(model, local_inputs, loss_fn, *grouping.values())
+    graph = copy.copy(_LOCAL_GRAPHS.get(key, lambda: capture(model, local_inputs, loss_fn=loss_fn, **grouping)))
     graph.gm = copy.deepcopy(graph.gm)  # the passes rewrite it in place
     return graph
 
@@ -374,7 +378,7 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster)
         # (activations are linear in the batch)
         local = tuple(x.chunk(layout.dp, dim=0)[0] for x in example_inputs)
         micro = tuple(x[: x.shape[0] // layout.grad_accum] for x in local)
-        graph = _capture_local(model, micro, loss_fn)
+        graph = _capture_local(model, micro, loss_fn, layout.ep)
         step = CapturedStep(graph, analyze(graph), getattr(model, "config", None),
                             fused=not cluster.gpu.is_cpu)  # CPU ranks run eager kernels
         facts = step.facts_for(cluster, layout).rebatch(batch)

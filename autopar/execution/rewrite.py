@@ -12,6 +12,10 @@ the rank's `cost.plan_types.ExecutionReport`, never into the plan. The order, an
 3. ``tensor_parallel``: the global graph becomes one TP rank's graph (local shapes from here on).
 4. ``context_parallel``: after TP's place, the sequence split over "cp", attention as ring
    attention.
+4b. ``expert_parallel`` (ep > 1): each rank runs its share of every grouped expert list on the
+   tokens of ep consecutive dp ranks, with all-to-alls; before recompute (whose chains then
+   start from the all-to-alls) and before DP (which reduces every expert's gradient, 0 where
+   another rank owns it).
 5. ``fp8_scales``: after TP (whose DTensors reduce a sharded amax over TP), the DP ranks'
    amaxes all-reduced, so that the scales are those of the whole batch, as on one device.
 6. ``recompute``: after TP, so that the rebuilt chains start from TP's collectives and never
@@ -55,6 +59,7 @@ from cost.plan_types import (
 from cost.stages import node_stages
 from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
+from passes.expert_parallel import ExpertParallelError, apply_expert_parallel, expert_groups
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
 from passes.loss_reduction import LossReduction, rewrite_denominators
@@ -251,6 +256,15 @@ def _context_parallel(state: RankRewrite, lay: Layout) -> None:
                                  signature.buffer_index)
 
 
+def _expert_parallel(state: RankRewrite, lay: Layout) -> None:
+    """The EP pass (`passes.expert_parallel`) over this rank's ep group: ``lay.ep`` consecutive
+    ranks of its "dp" group."""
+    try:
+        apply_expert_parallel(state.gm, expert_groups(state.mesh.mesh.T.tolist(), lay.ep, dist.get_rank())[1])
+    except ExpertParallelError as exc:
+        raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
+
+
 def _recompute_pass(state: RankRewrite, part: RecomputePart) -> None:
     """The recompute pass: the report records, per block, the saved values it rebuilds."""
     executed = _recompute(state.gm, state.captured.layers, state.captured.groups, list(part.choices),
@@ -301,6 +315,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("tensor_parallel", lambda s: s.layout.tp > 1,
          lambda d: (d.tensor_parallel(), tuple(d.fallbacks)), _tensor_parallel),
     Pass("context_parallel", lambda s: s.layout.cp > 1, lambda d: d.layout, _context_parallel),
+    Pass("expert_parallel", lambda s: s.layout.ep > 1, lambda d: d.layout, _expert_parallel),
     Pass("fp8_scales", lambda s: bool(s.decisions.fp8) and s.layout.dp > 1, _fp8_part, _fp8_scales),
     Pass("recompute", lambda s: _recomputing(s.decisions), _recompute_part, _recompute_pass),
     Pass("loss_weighting", lambda s: True, _no_part, _weight_loss),

@@ -125,7 +125,7 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         n_layers=parts.n_layers,
         heads=getattr(config, "n_heads", None),
         kv_heads=getattr(config, "n_kv_heads", None),
-        n_experts=getattr(config, "n_experts", 0) or 0,
+        n_experts=getattr(config, "n_experts", 0) or _expert_count(graph, parts.expert_prefixes),
         total_flops=analysis.forward_flops + analysis.backward_flops,
         nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()},
                         rerun_groups=np.array(rerun_groups, dtype=bool).reshape(len(rerun_groups), len(keys))),
@@ -199,10 +199,8 @@ def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarr
     all-to-all volume (a value sent once, however many read it)."""
     expert_io = np.zeros(max(parts.n_layers, 1) + 2)
     prefixes = parts.expert_prefixes
-    if not prefixes:
-        return expert_io
     crossed: set[tuple[torch.fx.Node, bool]] = set()
-    for node in parts.nodes:
+    for node in parts.nodes if prefixes else ():
         if node.op != "call_function":
             continue
         info = analysis.nodes[node.name]
@@ -216,6 +214,7 @@ def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarr
                     (source, mine) not in crossed:
                 crossed.add((source, mine))
                 expert_io[parts.layer_eff[node.name] + 1] += analysis.nodes[i.name].nbytes
+    _grouped_expert_io(parts.nodes, analysis, parts.layer_eff, expert_io)
     return expert_io
 
 
@@ -459,3 +458,34 @@ def _fp8_roles(graph: TrainingGraph) -> tuple[dict[str, tuple[str, str]], dict[s
         for role in ("forward", "input_grad", "weight_grad"):
             out.update({name: (weight, role) for name in getattr(mms, role)})
     return out, cast_shares(graph.gm, found)
+
+
+def _grouped_expert_io(nodes, analysis: GraphAnalysis, layer_eff: dict[str, int], expert_io: np.ndarray) -> None:
+    """In place: a block's all-to-all volume where its experts are grouped (the graph expert
+    parallelism runs, `passes.expert_parallel`) is what that pass sends, the stacked inputs and
+    results (their gradients again in the backward: `cost.terms.expert_parallel`)."""
+    slots: dict[str, int] = {}  # list -> its block's slot (where its forward result is)
+    sent: dict[str, float] = {}
+    for node in nodes:
+        roles = node.meta.get("expert_result", ())
+        if "y" in roles or "dx" in roles:
+            path = node.meta["expert_group"][0]
+            sent[path] = sent.get(path, 0.0) + analysis.nodes[node.name].nbytes
+            if "y" in roles:
+                slots[path] = layer_eff[node.name] + 1
+    for slot in set(slots.values()):
+        expert_io[slot] = sum(sent[p] for p, s in slots.items() if s == slot)
+
+
+def _expert_count(graph: TrainingGraph, prefixes: tuple[str, ...]) -> int:
+    """Experts per list of a model without a config saying so: E of its grouped lists, else
+    the most indices under one expert prefix (`_expert_modules`)."""
+    grouped = [n.meta["expert_group"][1] for n in graph.gm.graph.nodes if "expert_group" in n.meta]
+    if grouped:
+        return max(grouped)
+    indices: dict[str, set[str]] = {}
+    for name in graph.param_shapes:
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                indices.setdefault(prefix, set()).add(name[len(prefix):].split(".", 1)[0])
+    return max((len(v) for v in indices.values()), default=0)

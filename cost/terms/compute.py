@@ -304,7 +304,8 @@ def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layo
 
 
 def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
-    """Parameters held by each pipeline stage after TP and EP sharding (memoised)."""
+    """Parameters held by each pipeline stage after TP sharding (memoised). Expert parallelism
+    keeps every expert's parameters on every rank (passes/expert_parallel.py): not divided by ep."""
     stage_map = slot_stages(facts, cluster, lay)
 
     def build() -> np.ndarray:
@@ -314,19 +315,19 @@ def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndar
             for s in set(stage_map[where].tolist()):
                 out[s] += local  # a tied embedding lives on the first and the last stage
         return out
-    return facts.cache.get("stage_params", (lay.tp, lay.ep, lay.pp, stage_map.tobytes()), build)
+    return facts.cache.get("stage_params", (lay.tp, lay.pp, stage_map.tobytes()), build)
 
 
 def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list]:
-    """Each parameter's local size (after TP and EP sharding) by the slots that use it: the
-    one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a list of
-    (size, slots); memoised per (tp, ep)."""
+    """Each parameter's local size (after TP sharding; experts whole under ep) by the slots that
+    use it: the one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a
+    list of (size, slots); memoised per tp."""
 
     def build() -> tuple[np.ndarray, np.ndarray, list]:
         params, n = facts.params, max(facts.n_layers, 0)
         slots, weights, shared = [], [], []
         for name, numel in params.numel.items():
-            local = numel / (lay.tp if params.tp_sharded[name] else 1) / (lay.ep if params.expert[name] else 1)
+            local = numel / (lay.tp if params.tp_sharded[name] else 1)
             where = sorted({int(np.clip(layer, -1, n)) + 1 for layer in params.stages_layer[name]})
             if len(where) == 1:
                 slots.append(where[0])
@@ -334,7 +335,7 @@ def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray,
             else:
                 shared.append((local, np.array(where)))
         return np.array(slots, dtype=int), np.array(weights, dtype=float), shared
-    return facts.cache.get("param_slots", (lay.tp, lay.ep), build)
+    return facts.cache.get("param_slots", (lay.tp,), build)
 
 
 def node_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:

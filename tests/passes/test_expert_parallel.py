@@ -1,0 +1,86 @@
+"""The expert-parallel pass (passes/expert_parallel.py) on captured graphs, without ranks: where
+it puts the all-to-alls, which experts' weights a rank reads, and its refusals. Parity on gloo
+ranks is tests/runtime/test_expert_parallel_parity.py."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from autopar import models
+from autopar.analysis.graph import analyze
+from autopar.capture.joint import capture
+from autopar.search.step import CapturedStep
+from cost import Cluster
+from cost.layout import Layout, LayoutError, unsupported_decisions
+from cost.plan_types import AxisGroup
+from passes.expert_parallel import ExpertParallelError, apply_expert_parallel
+
+A2A = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def _captured(name: str = "tiny-mixtral", layers: int = 2, experts: int = 4):
+    cfg = dataclasses.replace(models.config(name), n_layers=layers, **({"n_experts": experts} if experts else {}))
+    model = models.build(cfg, seed=0)
+    return capture(model, models.example_inputs(cfg, batch=2, seq=16), min_experts=2)
+
+
+def test_all_to_alls_and_local_weights():
+    """Five layers (the capture repeats the middle block): every layer's list grouped on its own
+    and rewritten with four all-to-alls (tokens, results, and their gradients), each named in
+    meta["autopar"]; each rank's grouped computation reads its own experts' weights."""
+    graph = _captured(layers=5)
+    for rank in (0, 1):
+        _check_rank(graph, copy.deepcopy(graph.gm), rank)
+    # priced as sent: each block's stacked inputs and results ([4 experts, 2 x 10 slots, 64] fp32
+    # each; `cost.terms.expert_parallel` doubles them for their gradients in the backward)
+    facts = CapturedStep(graph, analyze(graph), None, fused=False).facts()
+    assert list(facts.expert_io_bytes) == [0] + [2 * 4 * 20 * 64 * 4] * 5 + [0]
+    assert facts.n_experts == 4  # counted from the graph (no config says so)
+
+
+def _check_rank(graph, gm, rank: int) -> None:
+    paths = apply_expert_parallel(gm, AxisGroup("ep", 2, rank))
+    assert sorted(paths) == [f"layers.{i}.mlp.experts" for i in range(5)]
+    nodes = list(gm.graph.nodes)
+    a2a = [n for n in nodes if n.target == A2A]
+    assert len(a2a) == 4 * 5
+    assert all(n.meta["autopar"].startswith("EP over 2 ranks") for n in a2a)
+    # the grouped computation reads rows [r m, (r+1) m) of each stacked weight, n times
+    slices = [n for n in nodes if n.target == torch.ops.aten.slice.Tensor and "EP over" in n.meta.get("autopar", "")]
+    assert len(slices) == 5 * 3 and all(tuple(n.args[1:]) == (0, 2 * rank, 2 * rank + 2) for n in slices)
+    assert all(list(u.args[1])[0] == 2 for n in slices for u in n.users)  # repeated over the 2 ranks
+
+
+def test_refusals():
+    """E not divisible by ep, and a graph without grouped experts, are refused naming the fix."""
+    graph = _captured()
+    with pytest.raises(ExpertParallelError, match="4 experts, which do not split over ep=3"):
+        apply_expert_parallel(graph.gm, AxisGroup("ep", 3, 0))
+    dense = _captured("tiny-llama", experts=0)
+    with pytest.raises(ExpertParallelError, match="ModuleList"):
+        apply_expert_parallel(dense.gm, AxisGroup("ep", 2, 0))
+
+
+def test_stacked_experts_refused_under_ep():
+    """A transformers Mixtral keeps its experts' weights stacked in one parameter: ep is refused
+    when the layout is planned (as parallelize plans it), naming why, not run wrong."""
+    import hf_tiny
+
+    import autopar
+
+    model = hf_tiny.build("mixtral", layers=1)
+    with pytest.raises(LayoutError, match="0 experts.*stacked in one parameter.*use ep=1"):
+        autopar.plan(model, hf_tiny.batch(size=4), cluster=Cluster.local(ranks=2),
+                     layout=Layout(dp=2, ep=2))
+
+
+def test_what_runs_under_ep():
+    """ep runs with DP and ZeRO; with TP, pipelines, CP or FP8 it is refused, naming the combination."""
+    assert unsupported_decisions(Layout(dp=4, ep=2)) == []
+    assert unsupported_decisions(Layout(dp=2, ep=2, zero=3)) == []
+    for extra, words in (({"tp": 2}, "tensor parallelism"), ({"pp": 2}, "pipelines"),
+                         ({"cp": 2}, "context parallelism"), ({"fp8": "all"}, "FP8")):
+        (why,) = unsupported_decisions(Layout(dp=2, ep=2, **extra))
+        assert "expert parallelism (ep=2) with" in why and words in why, why

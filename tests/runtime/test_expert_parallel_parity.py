@@ -1,0 +1,156 @@
+"""Expert parallelism (passes/expert_parallel.py) trains like one device.
+
+Loss, every gradient and the parameters after 2 SGD steps, fp32, rtol 1e-5, on gloo ranks: the
+zoo Mixtral (4 experts, 5 layers: the capture repeats the middle block) and a plain-PyTorch
+top-2 MoE written here (`Top2MoELM`: 8 SwiGLU experts with biases, every expert on every token
+weighted by its renormalised top-2 gate, results stacked along dim -2), each under two losses
+(the model's mean cross-entropy, and a label-smoothed one over the tokens left after masking
+some labels with -100), with ZeRO and gradient accumulation. 2 ranks (ep2 x dp2 in one group)
+in the default suite; 4 ranks (ep2 in two groups of dp4, also with full recompute, and ep4)
+under ``slow``. The rank's graph holds the all-to-alls (`dump_graph` names them).
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity_checks import contract, sgd, train_and_compare
+from torch import nn
+
+from runtime.launch import spawn
+
+
+class SwiGLUExpert(nn.Module):
+    """down(silu(gate(x)) * up(x)), with biases."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn)
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Top2MoE(nn.Module):
+    """h + sum_e g_e(x) expert_e(x), x = rmsnorm(h), g = the top-2 of softmax(router(x)), renormalised."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLUExpert(hidden, ffn) for _ in range(experts))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        probs = self.router(x).softmax(-1)
+        top, chosen = probs.topk(2, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, chosen, top / top.sum(-1, keepdim=True))
+        outs = torch.stack([expert(x) for expert in self.experts], dim=-2)  # [b, s, E, h]
+        return h + (gates.unsqueeze(-1) * outs).sum(-2)
+
+
+class Top2MoELM(nn.Module):
+    """(ids, labels) -> mean next-token cross-entropy; (ids,) -> logits."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, ffn: int = 48, experts: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Top2MoE(hidden, ffn, experts) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def masked_smoothed(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Label-smoothed cross-entropy over the labels not masked (-100)."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, label_smoothing=0.1)
+
+
+def _batch(vocab: int, size: int = 8, seq: int = 16, mask: bool = False):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (size, seq), generator=gen)
+    labels = torch.roll(ids, -1, dims=1)
+    if mask:  # a third of the labels masked, unevenly over the ranks' samples
+        labels = torch.where(torch.rand(labels.shape, generator=gen) < 0.33, -100, labels)
+    return ids, labels
+
+
+def _cases():
+    from autopar import models
+
+    cfg = dataclasses.replace(models.config("tiny-mixtral"), n_layers=5)
+    return {
+        "tiny-mixtral": (lambda: models.build(cfg, seed=1), cfg.vocab),
+        "top2-moe": (lambda: (torch.manual_seed(2), Top2MoELM())[1], 64),
+    }
+
+
+def _worker(rank: int, world: int, runs: list[tuple]) -> list[tuple]:
+    import autopar
+
+    cases = _cases()
+    failures = []
+    for name, degrees, smoothed in runs:
+        build, vocab = cases[name]
+        model = build()
+        ref = copy.deepcopy(model)
+        batch = _batch(vocab, mask=smoothed)
+        loss_fn = masked_smoothed if smoothed else None
+        pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees),
+                                 loss_fn=loss_fn)
+        label = (name, pm.plan.layout.short(), "masked smoothed CE" if smoothed else "mean CE")
+        failures += contract(pm, label)
+        dump = pm.dump_graph()
+        if dump.count("all_to_all_single") < 4 * 2 or "EP over" not in dump:
+            failures.append((*label, "dump_graph shows no all-to-alls with their decision"))
+        if not smoothed:
+            ref_fn = ref
+        else:
+            def ref_fn(ids, labels, ref=ref):
+                return masked_smoothed(ref(ids), labels)
+        failures += train_and_compare(pm, _Ref(ref, ref_fn), batch, label, steps=2, optimizers=(sgd,))
+        torch.distributed.barrier()
+    return failures
+
+
+class _Ref(nn.Module):
+    """The one-device model with the run's loss (the reference `train_and_compare` steps)."""
+
+    def __init__(self, model: nn.Module, loss) -> None:
+        super().__init__()
+        self.model = model
+        self._loss = (loss,)
+
+    def forward(self, *batch):
+        return self._loss[0](*batch)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.model.named_parameters(*args, **kwargs)
+
+
+def test_ep2_matches_one_device():
+    runs = [("tiny-mixtral", {"dp": 2, "ep": 2}, False),
+            ("tiny-mixtral", {"dp": 2, "ep": 2, "zero": 3}, True),
+            ("top2-moe", {"dp": 2, "ep": 2, "zero": 1, "grad_accum": 2}, False),
+            ("top2-moe", {"dp": 2, "ep": 2, "zero": 2}, True)]
+    assert spawn(_worker, 2, (runs,), timeout_s=900) == [[], []]
+
+
+@pytest.mark.slow
+def test_ep_on_four_ranks_matches_one_device():
+    runs = [("tiny-mixtral", {"dp": 4, "ep": 2, "recompute": "full"}, False),
+            ("tiny-mixtral", {"dp": 4, "ep": 4, "zero": 3}, True),
+            ("top2-moe", {"dp": 4, "ep": 4}, True),
+            ("top2-moe", {"dp": 4, "ep": 2, "zero": 1, "grad_accum": 2}, False)]
+    assert spawn(_worker, 4, (runs,), timeout_s=1500) == [[], [], [], []]
