@@ -23,7 +23,7 @@ from pathlib import Path
 
 from autopar.errors import AutoparError, InputError
 from autopar.models.configs import ModelConfig, UnknownModelError
-from cost.layout import (
+from vocab.layout import (
     FP8_CHOICES,
     FP8_RECIPES,
     PRECISIONS,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from autopar.calibrate.runs import Run, RunsError
 from autopar.models.configs import ModelConfig
-from cost.layout import Layout, LayoutError
+from vocab.layout import Layout, LayoutError
 
 COLUMNS = ("source", "model_name", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
            "seq_len", "gpu", "num_gpus", "gpus_per_node", "dp", "tp", "pp", "virtual_pp", "cp",

@@ -149,7 +149,7 @@ def _rss_growth(mode: str, outputs: tuple[str, ...]) -> float:
     of the allocator's retained heap (without it, one process's runs reuse each other's heap)."""
     import torch
 
-    from cost.plan_types import RecomputeChoice
+    from vocab.plan_types import RecomputeChoice
 
     graph, _, layers, groups, primals, seeds, _ = _four_blocks()
     gm = _rewritten(graph, layers, groups, RecomputeChoice(mode, outputs))
@@ -170,9 +170,9 @@ def measured_rows(progress=print) -> list[dict]:
     import torch
 
     from autopar.search.step import CapturedStep
-    from cost.plan_types import RecomputeChoice
     from cost.step import predict_memory, recompute_choice
     from runtime.memory import peak_live_bytes
+    from vocab.plan_types import RecomputeChoice
 
     graph, analysis, layers, groups, primals, seeds, cfg = _four_blocks()
     facts = CapturedStep(graph, analysis, cfg, fused=False).facts()  # the pass runs unfused

@@ -22,7 +22,7 @@ import math
 
 from autopar import models
 from cost.cluster import PROFILE_DIR
-from cost.layout import Layout
+from vocab.layout import Layout
 
 PEAK_BF16 = 989.5e12  # H100 SXM dense bf16 (datasheet; the playbook's MFU peak)
 MFU = 0.55

@@ -16,7 +16,6 @@ from cost.cluster import PROFILES, Cluster, Link
 from cost.comm import DEFAULT_MESSAGE_BYTES, Group, axis_group, bus_bandwidth, collective_time
 from cost.compute import DTYPE_BYTES, gemm_efficiency, matmul_efficiency, matmul_time, op_time
 from cost.hardware import GPUS, GPUSpec, get_gpu
-from cost.layout import Layout, LayoutError
 from cost.memory import (
     RESERVE_BYTES,
     MemoryBreakdown,
@@ -26,6 +25,7 @@ from cost.memory import (
 )
 from cost.pipeline import bubble_fraction, in_flight_microbatches, pipeline_step_time
 from cost.precision import PrecisionRecipe, recipe
+from vocab.layout import Layout, LayoutError
 
 __all__ = [
     "COLLECTIVES", "Calibration", "CollectiveFit", "default_calibration_path", "load_calibration",

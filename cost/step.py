@@ -30,10 +30,8 @@ import numpy as np
 
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
-from cost.layout import Layout, LayoutError
 from cost.memory import MemoryBreakdown, buffer_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
-from cost.plan_types import RecomputeChoice, block_pattern, fp8_group
 from cost.precision import fused_accum, recipe
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from cost.terms.common import (
@@ -77,6 +75,8 @@ from cost.terms.recompute import (
 )
 from cost.terms.tensor_parallel import kept_sp_gathers, sp_regather, tp_small_collectives
 from cost.terms.tensor_parallel import tp_comm as tp_comm_terms
+from vocab.layout import Layout, LayoutError
+from vocab.plan_types import RecomputeChoice, block_pattern, fp8_group
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM", "CPU_ADAM_BYTES_PER_PARAM", "FP8_CAST_BYTES_PER_INPUT_BYTE",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost.facts_cache import FactsCache
-from cost.layout import LayoutError
+from vocab.layout import LayoutError
 
 
 def _check_lengths(table: object) -> None:

@@ -53,7 +53,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cost.plan_types import GraphSignature
 from passes.cp_balance import ZigzagError, zigzag_shards
 from passes.tensor_parallel import (
     _COLLECTIVE_PREFIX,
@@ -65,6 +64,7 @@ from passes.tensor_parallel import (
     _tree_wrap,
     _why,
 )
+from vocab.plan_types import GraphSignature
 
 aten = torch.ops.aten
 

@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from cost.plan_types import LOSS, AxisGroup, CommPlan, DataParallelPlan, GraphSignature
 from passes.token_count import WEIGHTS_LOSS
+from vocab.plan_types import LOSS, AxisGroup, CommPlan, DataParallelPlan, GraphSignature
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
-# The default bucket sizes are the plan's (`cost.plan_types.CommPlan`: DDP's bucket_cap_mb and
+# The default bucket sizes are the plan's (`vocab.plan_types.CommPlan`: DDP's bucket_cap_mb and
 # first bucket).
 BUCKET_BYTES = CommPlan().bucket_bytes
 FIRST_BUCKET_BYTES = CommPlan().first_bucket_bytes

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from cost.plan_types import AxisGroup
+from vocab.plan_types import AxisGroup
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from cost.plan_types import AxisGroup, GraphSignature
-from cost.plan_types import block_pattern as group_of
+from vocab.plan_types import AxisGroup, GraphSignature
+from vocab.plan_types import block_pattern as group_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

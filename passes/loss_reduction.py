@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from cost.plan_types import GraphSignature
+from vocab.plan_types import GraphSignature
 
 aten = torch.ops.aten
 

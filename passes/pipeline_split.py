@@ -43,8 +43,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import fx
 
-from cost.plan_types import BackwardSplit, GraphSignature, PipelineGraphs, StageGraphs, StageInput
 from passes.recompute import is_backward, is_collective, is_random, mutates
+from vocab.plan_types import BackwardSplit, GraphSignature, PipelineGraphs, StageGraphs, StageInput
 
 aten = torch.ops.aten
 

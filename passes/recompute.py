@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from cost.plan_types import block_pattern
+from vocab.plan_types import block_pattern
 
 aten = torch.ops.aten
 
@@ -182,7 +182,7 @@ def heavy_groups(gm: fx.GraphModule, layers: Mapping[str, int | None],
                  modules: Mapping[str, str], weight_of: Mapping[str, str]) -> dict[str, str]:
     """Every heavy node "full" recomputes and "selective" keeps -> its group: what a partial
     choice names. A matmul reading a weight is named by the weight, block indices as ``*``
-    (``layers.*.mlp.up_proj.weight``, `cost.plan_types.block_pattern`); any other heavy node by
+    (``layers.*.mlp.up_proj.weight``, `vocab.plan_types.block_pattern`); any other heavy node by
     its module and op (``layers.*.moe:bmm``); a second alike node in one block gets
     ``#1``, and so on. Alike blocks give alike names: a group holds one node per block.
 

@@ -49,8 +49,8 @@ from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cost.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 from passes.grouped_matmul import is_grouped_backward, is_grouped_forward, is_grouped_weight_grad
+from vocab.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 
 aten = torch.ops.aten
 

@@ -23,7 +23,7 @@ import operator
 import torch
 from torch import fx
 
-from cost.plan_types import GraphSignature
+from vocab.plan_types import GraphSignature
 
 aten = torch.ops.aten
 

@@ -42,8 +42,8 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from cost.plan_types import LOSS
 from runtime.pipeline import PipelinePlan, gather_rows, reduce_data_parallel, run_pipeline_step
+from vocab.plan_types import LOSS
 
 # the loss's normalisers over the whole step (`passes.loss_reduction.DENOMINATOR`)
 DENOMINATOR = "denominator"

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost.plan_types import PipelineGraphs, StageGraphs, StageInput
+from vocab.plan_types import PipelineGraphs, StageGraphs, StageInput
 
 
 @dataclass

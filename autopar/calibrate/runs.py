@@ -26,9 +26,9 @@ import numpy as np
 
 from autopar import models
 from cost.cluster import Cluster
-from cost.layout import Layout, LayoutError
 from cost.step import predict, predict_memory
 from cost.step_facts import StepFacts
+from vocab.layout import Layout, LayoutError
 
 REQUIRED = ("model", "nodes", "dp", "tp", "pp", "zero", "mbs", "grad_acc", "tok_s_gpu")
 # the playbook's names for its model shapes (shared/reference/playbook-facts.md)

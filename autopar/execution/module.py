@@ -25,9 +25,9 @@ from autopar.capture.graph import OutputTree
 from autopar.errors import InputError
 from autopar.execution.evaluation import EvalGraphs, evaluate, refuse_pipeline
 from autopar.planning.plan import Plan
-from cost.plan_types import ExecutionReport
 from runtime.executor import RankGraph, run_step
 from runtime.pipeline import PipelinePlan
+from vocab.plan_types import ExecutionReport
 
 
 class ParallelModule(nn.Module):

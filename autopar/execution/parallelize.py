@@ -6,10 +6,10 @@ like the original: ``loss = pm(*batch)``, ``loss.backward()`` fills ``pm.paramet
 with the plan's placements), any ``torch.optim`` optimizer steps them, and
 ``torch.distributed.checkpoint`` saves ``pm.state_dict()``.
 
-The plan's decisions (`cost.plan_types.PlanDecisions`) travel to the passes as typed parts,
+The plan's decisions (`vocab.plan_types.PlanDecisions`) travel to the passes as typed parts,
 through the declared list `autopar.execution.rewrite.PASSES` (its docstring gives the order and
 the reason for it); the plan is never edited: what the passes find as they run (the ops run
-replicated, the values recomputed) is the rank's `cost.plan_types.ExecutionReport`, which
+replicated, the values recomputed) is the rank's `vocab.plan_types.ExecutionReport`, which
 ``pm.plan`` (the chosen plan `Plan.with_execution`) and ``pm.execution_report`` carry. Executed today: DP, ZeRO 1/2/3, TP, TP+SP
 and their products (a ("dp", "tp") mesh), recompute "selective", "full" and partial choices
 (the plan's `RecomputeChoice`: "auto" resolved by the cost model, or named groups), FP8 matmuls
@@ -81,11 +81,11 @@ from autopar.planning.planner import model_precision
 from autopar.planning.planner import plan as make_plan
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
-from cost.layout import unsupported_decisions
-from cost.plan_types import GraphSignature
 from cost.step import check_layout
 from passes.loss_reduction import LossReduction, analyze_loss, for_layout
 from runtime.executor import RankGraph
+from vocab.layout import unsupported_decisions
+from vocab.plan_types import GraphSignature
 
 
 class LossReductionError(InputError):

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.errors import AutoparError
-from cost.plan_types import AxisPlacement, PlanDecisions
 from passes.tensor_parallel import to_dtensor_placement
+from vocab.plan_types import AxisPlacement, PlanDecisions
 
 
 def placement_of(placement) -> AxisPlacement:

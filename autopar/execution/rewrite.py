@@ -1,10 +1,10 @@
 """One rank's graph rewritten for the plan: the declared list of passes `parallelize` runs.
 
 `PASSES` is the whole rewrite, in order. Each `Pass` takes one typed part of the plan
-(`cost.plan_types.PlanDecisions`: ``tensor_parallel()``, ``data_parallel()``, the FP8 weights,
+(`vocab.plan_types.PlanDecisions`: ``tensor_parallel()``, ``data_parallel()``, the FP8 weights,
 the recompute choices, the stages) and rewrites the rank's graph in a `RankRewrite`; what a
 pass finds as it runs (the ops it had to run replicated, the values it recomputes) goes into
-the rank's `cost.plan_types.ExecutionReport`, never into the plan. The order, and why:
+the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, and why:
 
 1. ``loss_denominators``: the loss's normalisers become step-wide inputs, before recompute
    could copy one.
@@ -45,17 +45,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.analysis.graph import analyze
 from autopar.errors import AutoparError
 from autopar.execution.module import _dp_rank
-from cost.layout import Layout
-from cost.plan_types import (
-    AxisGroup,
-    DataParallelPlan,
-    ExecutionReport,
-    Fallback,
-    GraphSignature,
-    PlanDecisions,
-    RecomputeChoice,
-    TensorParallelPlan,
-)
 from cost.stages import node_stages
 from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
@@ -69,6 +58,17 @@ from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from passes.token_count import weight_loss_by_seed
 from runtime import ring_attention  # noqa: F401  (registers the ring attention ops the CP pass emits)
 from runtime.pipeline import PipelinePlan
+from vocab.layout import Layout
+from vocab.plan_types import (
+    AxisGroup,
+    DataParallelPlan,
+    ExecutionReport,
+    Fallback,
+    GraphSignature,
+    PlanDecisions,
+    RecomputeChoice,
+    TensorParallelPlan,
+)
 
 
 class UnsupportedLayoutError(AutoparError):

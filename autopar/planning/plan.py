@@ -20,19 +20,19 @@ from autopar.search.decisions import decide
 from autopar.search.manual import standard_layouts
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
-from cost.layout import unsupported_decisions
-from cost.plan_types import ExecutionReport, Fallback, PlanDecisions
 from cost.profile import coverage_notes, coverage_within
 from cost.step import Prediction, StepFacts, predict
+from vocab.layout import unsupported_decisions
+from vocab.plan_types import ExecutionReport, Fallback, PlanDecisions
 
-PLAN_VERSION = 2  # 2: the decisions (cost.plan_types) travel whole
+PLAN_VERSION = 2  # 2: the decisions (vocab.plan_types) travel whole
 
 
 @dataclass
 class Plan:
     """The chosen (or evaluated) parallel layout of one training step on one cluster.
 
-    ``decisions`` holds what runs (`cost.plan_types.PlanDecisions`, as the solver wrote it);
+    ``decisions`` holds what runs (`vocab.plan_types.PlanDecisions`, as the solver wrote it);
     ``layout``, ``placements``, ``stages``, ``recompute``, ``fp8`` and ``fallbacks`` read it.
     ``execution``: what the passes found as `autopar.parallelize` ran the plan (`with_execution`;
     ``pm.plan`` carries it): ``recompute`` and ``fallbacks`` then say what ran.

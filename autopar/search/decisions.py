@@ -1,6 +1,6 @@
 """Write a layout's decisions as plan data: placements, ZeRO shards, stages, recompute, FP8.
 
-`decide` is where the solver's choice becomes the `cost.plan_types.PlanDecisions` that the
+`decide` is where the solver's choice becomes the `vocab.plan_types.PlanDecisions` that the
 passes execute, so the Plan shows what runs: a ZeRO-1/2/3 weight is ``Shard(0)`` on "dp" (the
 data-parallel pass keeps 1/dp of its rows on each rank), a TP weight its recipe's shard, a
 fused q/k/v projection a per-part shard.
@@ -13,7 +13,9 @@ import re
 import numpy as np
 
 from cost import Cluster, Layout
-from cost.plan_types import (
+from cost.step import StepFacts, recompute_choices, zero_reduction
+from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, stage_of, virtual_stages
+from vocab.plan_types import (
     AxisPlacement,
     CommPlan,
     Fallback,
@@ -22,8 +24,6 @@ from cost.plan_types import (
     RecomputeChoice,
     fp8_group,
 )
-from cost.step import StepFacts, recompute_choices, zero_reduction
-from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, stage_of, virtual_stages
 
 
 def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:

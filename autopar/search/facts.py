@@ -20,13 +20,13 @@ from autopar.analysis.graph import GraphAnalysis
 from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, TPRecipe, find_tp_recipe
-from cost.plan_types import GraphSignature
 from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from passes.fp8 import cast_shares, weight_matmuls
 from passes.pipeline_split import weight_half_reads
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
 from passes.token_count import mean_loss_node
+from vocab.plan_types import GraphSignature
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 # the columns of `NodeTable` and `SavedTable` as built here, with their array dtypes

@@ -26,7 +26,6 @@ from autopar.search.bound import rules_out
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
-from cost.layout import unsupported_decisions
 from cost.step import (
     Prediction,
     StepFacts,
@@ -36,6 +35,7 @@ from cost.step import (
     predict_memory,
 )
 from cost.terms.tensor_parallel import regather_exposed_share
+from vocab.layout import unsupported_decisions
 
 
 class NoFeasiblePlanError(AutoparError):

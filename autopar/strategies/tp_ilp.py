@@ -52,11 +52,11 @@ from autopar.analysis.graph import GraphAnalysis
 from autopar.capture.joint import TrainingGraph
 from autopar.strategies.tp_recipe import COL, REPLICATED, ROW, VOCAB, TPRecipe, find_tp_recipe
 from cost import Cluster, collective_time
-from cost.plan_types import block_pattern
 from cost.terms.common import comm_overlap, default_precision
 from cost.terms.compute import compute_dtype, roofline_times
 from cost.terms.tensor_parallel import event_collective, tp_group
 from passes.grouped_matmul import is_grouped_forward
+from vocab.plan_types import block_pattern
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default}

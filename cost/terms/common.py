@@ -4,8 +4,8 @@ and the parameters each pipeline stage holds."""
 from __future__ import annotations
 
 from cost.cluster import Cluster
-from cost.layout import Layout
 from cost.step_facts import StepFacts
+from vocab.layout import Layout
 
 
 def default_precision(cluster: Cluster) -> str:

@@ -10,15 +10,15 @@ import numpy as np
 from cost.cluster import Cluster
 from cost.compute import gemm_efficiency
 from cost.hardware import GPUSpec
-from cost.layout import Layout
 from cost.memory import buffer_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
-from cost.plan_types import RecomputeChoice, fp8_group
 from cost.precision import recipe
 from cost.stages import StageMemory, balanced_cuts
 from cost.step_facts import StepFacts
 from cost.terms.common import block_params, resolved
 from cost.terms.recompute import activation_memory, fixed_choice, local_saved_bytes
+from vocab.layout import Layout
+from vocab.plan_types import RecomputeChoice, fp8_group
 
 # A training framework reaches less than the sum of its kernels' times: host overhead between
 # kernels, gradient clipping, data loading, stragglers. The default of

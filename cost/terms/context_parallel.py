@@ -6,9 +6,9 @@ import numpy as np
 
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
-from cost.layout import Layout
 from cost.step_facts import StepFacts
 from cost.terms.compute import node_stages
+from vocab.layout import Layout
 
 # The backward of attention takes about twice its forward (the 2x of the 6N rule: 2N FLOPs
 # forward, 4N backward, Kaplan et al. 2020), so the ring hides behind forward + backward =

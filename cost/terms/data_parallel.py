@@ -6,10 +6,10 @@ import math
 
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
-from cost.layout import Layout
 from cost.memory import DDP_BUCKET_BYTES
 from cost.precision import PrecisionRecipe
 from cost.terms.common import comm_overlap, zero_reduction
+from vocab.layout import Layout
 
 
 def bucketed(kind: str, nbytes: float, group, cluster: Cluster) -> float:

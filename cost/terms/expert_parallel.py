@@ -6,9 +6,9 @@ import numpy as np
 
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
-from cost.layout import Layout
 from cost.step_facts import StepFacts
 from cost.terms.compute import stage_of
+from vocab.layout import Layout
 
 
 def ep_comm(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> np.ndarray:

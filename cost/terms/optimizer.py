@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cost.cluster import Cluster
-from cost.layout import Layout
+from vocab.layout import Layout
 
 # Optimizer step: reads fp32 master, m, v, the gradient; writes master, m, v and the bf16 weight
 # (AdamW, memory-bound: 4+4+4+4 read + 4+4+4+2 write = 30 bytes per parameter).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from cost.cluster import Cluster
 from cost.comm import Group, axis_group, collective_time
-from cost.layout import Layout
 from cost.pipeline import bubble_fraction, pipeline_step_time
 from cost.step_facts import StepFacts
+from vocab.layout import Layout
 
 
 def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float,

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cost.cluster import Cluster
-from cost.layout import Layout
-from cost.plan_types import RecomputeChoice, block_pattern
 from cost.step_facts import StepFacts
+from vocab.layout import Layout
+from vocab.plan_types import RecomputeChoice, block_pattern
 
 MAX_EXACT_GROUPS = 12  # 2^12 subsets enumerated; more groups are added greedily
 MAX_EXACT_CHECKS = 32  # candidates checked on their exact columns before falling back to full

@@ -17,10 +17,10 @@ import numpy as np
 
 from cost.cluster import Cluster
 from cost.comm import Group, axis_group, collective_time
-from cost.layout import Layout
 from cost.step_facts import StepFacts
 from cost.terms.common import comm_overlap
 from cost.terms.compute import stage_of
+from vocab.layout import Layout
 
 
 def tp_group(cluster: Cluster, tp: int) -> Group:

@@ -16,7 +16,7 @@ from bench.playbook import (
     summarize,
 )
 from bench.textbook import textbook
-from cost.layout import Layout
+from vocab.layout import Layout
 
 
 def _run(i, tps, tp=1, mb=1):

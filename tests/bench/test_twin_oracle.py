@@ -5,7 +5,7 @@ import pytest
 
 from autopar.calibrate.runs import Run
 from bench.twin_oracle import expected_regret, twin_oracle
-from cost.layout import Layout
+from vocab.layout import Layout
 
 
 def _run(row, tps, zero=1, tp=1, nodes=1):

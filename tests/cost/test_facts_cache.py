@@ -8,7 +8,6 @@ import pytest
 from meta_steps import llama_like
 
 from cost import Cluster, Layout
-from cost.plan_types import RecomputeChoice
 from cost.precision import recipe
 from cost.step import _flight, _memory, predict, recompute_choices, stage_memory
 from cost.terms.common import resolved
@@ -21,6 +20,7 @@ from cost.terms.compute import (
 )
 from cost.terms.recompute import choose_auto, columns, local_saved_bytes, staged_activation_memory
 from cost.terms.tensor_parallel import kept_sp_gathers
+from vocab.plan_types import RecomputeChoice
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from autopar import models
 from autopar.search.step import captured_step
 from cost.cluster import Cluster
 from cost.params import CostParams
-from cost.plan_types import RecomputeChoice
 from cost.precision import fused_accum, recipe
 from cost.step import predict_memory
 from cost.terms.compute import ATTENTION_HALF_SEQ, attention_efficiency, node_times
@@ -35,6 +34,7 @@ from cost.terms.recompute import (
     local_saved_bytes,
     loss_rows,
 )
+from vocab.plan_types import RecomputeChoice
 
 
 class TinyLM(nn.Module):

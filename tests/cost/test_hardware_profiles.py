@@ -7,7 +7,7 @@ import pytest
 from autopar import models
 from cost.cluster import PART_OVERRIDES, PROFILES, Cluster
 from cost.hardware import GPUS, get_gpu
-from cost.layout import Layout
+from vocab.layout import Layout
 
 
 def test_datasheet_numbers_of_each_part():

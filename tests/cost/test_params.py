@@ -8,11 +8,11 @@ import pytest
 
 from cost.cluster import H100_EFA_FIT, Cluster
 from cost.comm import Group, bus_bandwidth, collective_time
-from cost.layout import Layout
 from cost.params import PARAMETERS, CostParams
 from cost.profile import CostProfile, coverage_notes, coverage_within, load_profile, save_profile
 from cost.step import predict
 from cost.terms.compute import host_bound
+from vocab.layout import Layout
 
 
 def test_params_are_bounded_and_round_trip():

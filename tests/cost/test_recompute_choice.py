@@ -20,11 +20,11 @@ from autopar import models
 from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
 from autopar.search.facts import _fp8_roles, build_step_facts, recompute_marks
-from cost.layout import LayoutError
-from cost.plan_types import PlanDecisions, RecomputeChoice
 from cost.step import predict, predict_memory, recompute_choice
 from cost.terms.recompute import columns, rebuilt_peak
 from passes.recompute import heavy_groups, values_to_recompute
+from vocab.layout import LayoutError
+from vocab.plan_types import PlanDecisions, RecomputeChoice
 
 
 class _Block(nn.Module):

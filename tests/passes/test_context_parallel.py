@@ -128,7 +128,7 @@ def test_refusals_name_the_problem_and_the_fix():
 
 
 def test_layouts_cp_does_not_run_with_are_named():
-    from cost.layout import unsupported_decisions
+    from vocab.layout import unsupported_decisions
 
     assert unsupported_decisions(autopar.Layout(cp=2, dp=2)) == []
     (words,) = unsupported_decisions(autopar.Layout(cp=2, dp=2, zero=1, tp=2))

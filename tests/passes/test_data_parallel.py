@@ -16,8 +16,8 @@ def _run_pass_worker(rank: int, world: int, zero: int) -> list[str]:
 
     from autopar import models
     from autopar.capture.joint import capture
-    from cost.plan_types import AxisGroup, CommPlan, DataParallelPlan, GraphSignature
     from passes.data_parallel import apply_data_parallel, shardable
+    from vocab.plan_types import AxisGroup, CommPlan, DataParallelPlan, GraphSignature
 
     model = models.build("tiny-llama", seed=0)
     batch = models.example_inputs("tiny-llama", batch=4, seq=16)
@@ -90,8 +90,8 @@ def test_zero3_backward_reads_only_its_own_gather():
     AOTAutograd shares with the backward), or every block's weights stay whole until then."""
     from autopar import models
     from autopar.capture.joint import capture
-    from cost.plan_types import AxisGroup, CommPlan, DataParallelPlan, GraphSignature
     from passes.data_parallel import apply_data_parallel
+    from vocab.plan_types import AxisGroup, CommPlan, DataParallelPlan, GraphSignature
 
     model = models.build("tiny-llama", device="meta")
     graph = capture(model, models.example_inputs("tiny-llama", batch=2, seq=16, device="meta"))

@@ -13,9 +13,9 @@ from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
 from autopar.search.step import CapturedStep
 from cost import Cluster
-from cost.layout import Layout, LayoutError, unsupported_decisions
-from cost.plan_types import AxisGroup
 from passes.expert_parallel import ExpertParallelError, apply_expert_parallel
+from vocab.layout import Layout, LayoutError, unsupported_decisions
+from vocab.plan_types import AxisGroup
 
 A2A = torch.ops._c10d_functional.all_to_all_single.default
 

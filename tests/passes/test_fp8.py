@@ -17,11 +17,11 @@ from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
 from autopar.models.configs import config
 from autopar.strategies.tp_recipe import find_tp_recipe
-from cost.layout import FP8_RECIPES
-from cost.plan_types import AxisGroup, AxisPlacement, GraphSignature, TensorParallelPlan
 from passes.fp8 import RECIPES, apply_fp8, cast_shares, group_of, reduce_scales, weight_matmuls
 from passes.tensor_parallel import apply_tensor_parallel
 from runtime.mesh import fake_world
+from vocab.layout import FP8_RECIPES
+from vocab.plan_types import AxisGroup, AxisPlacement, GraphSignature, TensorParallelPlan
 
 
 class PlainMLP(nn.Module):
@@ -166,8 +166,8 @@ def test_recompute_composes_with_fp8():
     # the casts belong to their matmul's block: full recompute still rebuilds each block from
     # its input (before: casts outside the blocks made every matmul input a kept block output)
     from autopar.execution.parallelize import _recompute
-    from cost.plan_types import RecomputeChoice
     from runtime.memory import peak_live_bytes
+    from vocab.plan_types import RecomputeChoice
 
     model = models.build("tiny-llama", seed=0)
     batch = models.example_inputs("tiny-llama", batch=4, seq=64)

@@ -40,8 +40,8 @@ def _parity_worker(rank: int, world: int, sp: bool) -> list[str]:
     from autopar.analysis.graph import analyze
     from autopar.capture.joint import capture
     from autopar.strategies.tp_recipe import find_tp_recipe
-    from cost.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
     from passes.tensor_parallel import apply_tensor_parallel
+    from vocab.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 
     model = models.build("tiny-gpt2", seed=0)
     batch = models.example_inputs("tiny-gpt2", batch=2, seq=16)
@@ -99,7 +99,7 @@ def test_fused_qkv_matches_one_device(sp):
 def test_local_shard_round_trips():
     import torch
 
-    from cost.plan_types import AxisPlacement
+    from vocab.plan_types import AxisPlacement
 
     data = torch.arange(24.0).view(12, 2)
     for place in (AxisPlacement.shard(0, 3), AxisPlacement.shard(0), AxisPlacement.replicate()):

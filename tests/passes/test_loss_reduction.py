@@ -11,10 +11,10 @@ from torch import nn
 
 from autopar import models
 from autopar.capture.joint import capture
-from cost.plan_types import GraphSignature
 from passes.loss_reduction import DENOMINATOR, analyze_loss, for_layout, rewrite_denominators
 from runtime import executor
 from runtime.executor import seed_weights
+from vocab.plan_types import GraphSignature
 
 V = 7
 

@@ -17,12 +17,12 @@ from torch import nn
 from autopar import models
 from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
-from cost.plan_types import GraphSignature
 from cost.stages import node_stages
 from passes.pipeline_split import PipelineSplitError, split_backward, split_pipeline
 from passes.recompute import apply_recompute, values_to_recompute
 from passes.token_count import weight_loss_by_seed
 from runtime.pipeline import StageFeeds, run_sequential
+from vocab.plan_types import GraphSignature
 
 
 class PlainNet(nn.Module):

@@ -11,9 +11,9 @@ from autopar import models
 from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
 from autopar.strategies.tp_recipe import find_tp_recipe
-from cost.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 from passes.tensor_parallel import apply_tensor_parallel
 from runtime.mesh import fake_world
+from vocab.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 
 
 def _placements(graph, recipe) -> dict[str, AxisPlacement]:

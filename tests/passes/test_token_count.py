@@ -5,8 +5,8 @@ from torch import nn
 
 from autopar import models
 from autopar.capture.joint import capture
-from cost.plan_types import GraphSignature
 from passes.token_count import mean_loss_node, weight_loss_by_seed
+from vocab.plan_types import GraphSignature
 
 
 def _signature(graph) -> GraphSignature:

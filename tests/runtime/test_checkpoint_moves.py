@@ -83,7 +83,7 @@ def fused_batch(size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 def _plans(shape: tuple[int, int]):
     """A (dp, tp) plan for a weight of ``shape``: degrees, and the plan's placements the way
     `autopar.search.decisions` draws them (TP: a dim, fused parts; ZeRO: rows of the TP shard)."""
-    from cost.plan_types import AxisPlacement
+    from vocab.plan_types import AxisPlacement
 
     @st.composite
     def draw(d):

@@ -64,7 +64,7 @@ def _pipeline_worker(rank: int, world: int, cases: list[tuple[str, int, dict]]) 
     import autopar
 
     failures = []
-    from cost.plan_types import RecomputeChoice
+    from vocab.plan_types import RecomputeChoice
 
     for name, layers, degrees in cases:
         model, batch = _model(name, layers)

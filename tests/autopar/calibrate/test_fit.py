@@ -19,9 +19,9 @@ from autopar.calibrate.fit import (
 )
 from autopar.calibrate.runs import Run, RunPricer
 from cost.cluster import Cluster
-from cost.layout import Layout
 from cost.params import MEMORY_PARAMETERS, PARAMETERS, SPECS, TIME_PARAMETERS, CostParams
 from cost.step import predict
+from vocab.layout import Layout
 
 TRUTH = CostParams(framework_efficiency=0.7, collective_overhead_s=2e-4,
                    p2p_node_overhead_s=2e-3, activation_fragmentation=1.2)

@@ -116,7 +116,7 @@ def test_parallelize_leaves_the_plan_and_reports_what_ran():
 
 def test_report_round_trips_and_a_plan_without_one_is_unchanged():
     import autopar
-    from cost.plan_types import ExecutionReport, Fallback
+    from vocab.plan_types import ExecutionReport, Fallback
 
     for report in (ExecutionReport(),
                    ExecutionReport({0: ("mul", "gelu_1"), 2: ()}, (Fallback("aten.x.default", "why"),))):

@@ -11,7 +11,7 @@ from torch import nn
 import autopar
 from autopar import models
 from autopar.search.step import captured_step
-from cost.plan_types import AxisPlacement, PlanDecisions
+from vocab.plan_types import AxisPlacement, PlanDecisions
 
 
 class _Scaled(nn.Module):

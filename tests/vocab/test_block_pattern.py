@@ -1,4 +1,4 @@
-"""The plan's one block-name rule (`cost.plan_types.block_pattern`), shared by the TP ILP,
+"""The plan's one block-name rule (`vocab.plan_types.block_pattern`), shared by the TP ILP,
 the FP8 pass, the recompute pass and the cost model."""
 
 import pytest
@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.strategies import tp_ilp
-from cost.plan_types import block_pattern, fp8_group
 from passes import fp8
+from vocab.plan_types import block_pattern, fp8_group
 
 
 @pytest.mark.parametrize("name, pattern", [

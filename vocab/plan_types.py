@@ -4,7 +4,7 @@ The solver (autopar/search) writes a `PlanDecisions`; `autopar.Plan` holds it an
 through JSON; each pass takes its own part as one typed argument (`DataParallelPlan`,
 `TensorParallelPlan`) and the runtime reads the rest (micro-batches, stages, and the pipeline
 split's per-stage graphs, `PipelineGraphs`, which the split pass makes and the runtime runs).
-This module imports nothing but the standard library and `cost.layout` (torch.fx only for type
+This module imports nothing but the standard library and `vocab.layout` (torch.fx only for type
 hints), so passes/ and runtime/ depend on the plan's data, never on the solver or the front that
 produced it.
 
@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from cost.layout import Layout
+from vocab.layout import Layout
 
 if TYPE_CHECKING:
     from torch.fx import GraphModule
