@@ -452,9 +452,8 @@ def _check_executable(layout: Layout) -> None:
     if missing:
         raise UsageError(f"--layout {layout.short()}: the ranks cannot execute "
                          f"{'; '.join(missing)} yet; fix: dump a DP / ZeRO / TP / TP+SP layout "
-                         "(any recompute), a pipeline with ZeRO 0 or 1, "
-                         "cp=ep=1 and precision=fp32, or see its predictions with "
-                         "`autopar plan --layout ...`")
+                         "(any recompute), a pipeline with ZeRO 0 or 1, cp or ep with DP only, "
+                         "precision=fp32, or see its predictions with `autopar plan --layout ...`")
 
 
 def _rank_failure(exc) -> CommandError:

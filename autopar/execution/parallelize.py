@@ -297,9 +297,9 @@ def _executable(layout: Layout, precision: str) -> None:
     if missing:
         raise UnsupportedLayoutError(
             f"layout {layout.short()}: autopar.parallelize does not execute "
-            + "; ".join(missing) + " yet. Run a DP / ZeRO / TP / TP+SP layout (with any "
-            "recompute) without them (pp=cp=ep=1, the model's precision), or use the plan for its "
-            "predictions")
+            + "; ".join(missing) + " yet. Drop what is named (each says what runs today: DP, ZeRO, "
+            "TP+SP, pipelines with ZeRO 0/1, cp and ep with DP, any recompute, the model's "
+            "precision), or use the plan for its predictions")
 
 
 def _one_plan(choose: Callable[[], Plan]) -> Plan:
