@@ -138,6 +138,7 @@ def _two_ranks(rank: int, world: int) -> list[tuple]:
     return _parity(world, cases) + _logits_and_refusals(world)
 
 
+@pytest.mark.slow  # cp2 balanced runs in test_cp_parity.py::test_cp2; the rest at cp4 below (slow)
 def test_balanced_cp2_own_model():
     results = spawn(_two_ranks, 2, timeout_s=600)
     assert all(r == [] for r in results), [r for r in results if r]

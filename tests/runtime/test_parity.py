@@ -72,18 +72,20 @@ def test_dp_and_zero_match_one_device(world):
 
 TP_LAYOUTS = {
     # grad_accum: DP/ZeRO-1 reduce once after the last micro-batch, ZeRO-2/3 every micro-batch
-    2: [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "grad_accum": 2}, {"dp": 2, "zero": 1, "grad_accum": 2},
-        {}],  # {}: the solver's own plan
-    # dp x tp needs 4 ranks: the default suite runs these three, the slow one the rest
-    4: [{"dp": 2, "tp": 2, "zero": 3, "sp": True}, {"dp": 2, "tp": 2, "zero": 2, "grad_accum": 2}, {}],
+    2: [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "grad_accum": 2}, {}],  # {}: the solver's own plan
+    # ZeRO-1 reducing once after the micro-batches also runs in test_expert_parallel_parity (dp2 ep2)
+    "2-slow": [{"dp": 2, "zero": 1, "grad_accum": 2}],
+    # dp x tp needs 4 ranks: the default suite runs these two, the slow one the rest
+    4: [{"dp": 2, "tp": 2, "zero": 3, "sp": True}, {"dp": 2, "tp": 2, "zero": 2, "grad_accum": 2}],
     "4-slow": [{"tp": 4}, {"tp": 4, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "zero": 1},
-               {"dp": 2, "tp": 2, "grad_accum": 2}],
+               {"dp": 2, "tp": 2, "grad_accum": 2}, {}],
 }
 
 
-@pytest.mark.parametrize("layouts", [2, 4, pytest.param("4-slow", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layouts", [2, 4, pytest.param("2-slow", marks=pytest.mark.slow),
+                                     pytest.param("4-slow", marks=pytest.mark.slow)])
 def test_tp_sp_and_dp_x_tp_match_one_device(layouts):
-    world = 2 if layouts == 2 else 4
+    world = 2 if layouts in (2, "2-slow") else 4
     results = spawn(_layouts_worker, world, args=(TP_LAYOUTS[layouts],), timeout_s=900)
     assert results == [[]] * world
 

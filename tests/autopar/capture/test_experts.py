@@ -52,6 +52,7 @@ def _same_as_eager(model, batch, loss_fn=None):
     return graph
 
 
+@pytest.mark.slow  # grouping itself: the 8- and 16-expert cases below
 def test_128_experts_capture_once_and_plan():
     cfg = _mixtral(128)
     model = models.build(cfg, device="meta")
