@@ -22,3 +22,23 @@ def llama_step():
     inputs = models.example_inputs(cfg, batch=16, seq=1024, device="meta")
     step, _ = step_facts(model, inputs, None, torch.bfloat16)
     return cfg, model, inputs, step
+
+
+def _starts_ranks(path) -> bool:
+    """Whether a test file launches gloo ranks (directly or through the parity harness)."""
+    text = path.read_text()
+    return "spawn(" in text or "parity_checks" in text
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, the default of pyproject.toml), every test
+    that launches ranks runs in one worker, one after the other: two worlds at once would
+    oversubscribe a 2-core machine and push collectives towards their timeouts, while the
+    single-process tests share the other core."""
+    seen: dict = {}
+    for item in items:
+        path = item.path
+        if path not in seen:
+            seen[path] = _starts_ranks(path)
+        if seen[path]:
+            item.add_marker(pytest.mark.xdist_group("ranks"))

@@ -110,7 +110,7 @@ def test_free_port() -> None:
 
 
 def test_results_in_rank_order_four_ranks() -> None:
-    out = spawn(_sum_ranks, 4, args=(10,), timeout_s=60)
+    out = spawn(_sum_ranks, 4, args=(10,), timeout_s=180)
     assert [o["rank"] for o in out] == [0, 1, 2, 3]
     assert all(o["world"] == 4 for o in out)
     assert all(o["sum"] == 60.0 for o in out)  # (0+1+2+3) * 10
@@ -120,7 +120,7 @@ def test_results_in_rank_order_four_ranks() -> None:
 
 def test_single_rank_and_env_override() -> None:
     env = {"OMP_NUM_THREADS": "2", "AUTOPAR_TEST_VAR": "hello"}
-    (out,) = spawn(_sum_ranks, 1, args=(1,), timeout_s=60, env=env)
+    (out,) = spawn(_sum_ranks, 1, args=(1,), timeout_s=180, env=env)
     assert out["sum"] == 0.0
     assert out["omp"] == "2" and out["threads"] == 2
     assert out["extra"] == "hello"
@@ -202,13 +202,13 @@ def test_default_timeouts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_groups_created_later_get_the_bounded_timeout() -> None:
-    out = spawn(_group_timeouts, 2, timeout_s=60, collective_timeout_s=42)
+    out = spawn(_group_timeouts, 2, timeout_s=180, collective_timeout_s=42)
     assert all(o["default"] == 42.0 and o["sub"] for o in out)
 
 
 def test_summary_is_the_root_cause_without_the_traceback() -> None:
     with pytest.raises(RankFailedError) as info:
-        spawn(_raise_on_rank1, 2, timeout_s=60)
+        spawn(_raise_on_rank1, 2, timeout_s=180)
     assert info.value.summary == "ValueError: boom from rank one"
     text = (
         "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
@@ -225,7 +225,7 @@ def test_summary_is_the_root_cause_without_the_traceback() -> None:
 
 def test_unpicklable_result_is_a_rank_failure() -> None:
     with pytest.raises(RankFailedError, match="pickle"):
-        spawn(_unpicklable, 1, timeout_s=60)
+        spawn(_unpicklable, 1, timeout_s=180)
 
 
 def test_address_in_use_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,7 +243,7 @@ def test_address_in_use_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(launch, "free_port", fake_free_port)
     try:
-        out = spawn(_sum_ranks, 1, args=(1,), timeout_s=60)
+        out = spawn(_sum_ranks, 1, args=(1,), timeout_s=180)
     finally:
         squatter.close()
     assert len(handed) == 2  # the first launch failed on the taken port and was retried
@@ -256,7 +256,7 @@ def test_bad_world_size() -> None:
 
 
 def test_init_mesh_on_two_gloo_ranks() -> None:
-    out = spawn(_build_meshes, 2, timeout_s=60)
+    out = spawn(_build_meshes, 2, timeout_s=180)
     assert [o["local"] for o in out] == [0, 1]
     for o in out:
         assert o["shape"] == (2,) and o["names"] == ("dp",)
