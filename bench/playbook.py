@@ -6,9 +6,10 @@ layouts that compete for one cluster. Per cell, for a set of predictions:
 
 - regret: measured throughput of the layout ranked first among those the planner would pick
   (of the runs that trained), over the cell's best measured throughput (1 = autopar picks the
-  best). The planner picks among the layouts predicted to fit with the headroom it keeps
-  (`cost.params.CostParams.memory_headroom` of device memory free: `planner_fits`); fit and
-  OOM recall judge the memory model alone, without it;
+  best). The planner picks among the layouts predicted to fit with the headroom the cluster
+  profile keeps (`cost.params.CostParams.memory_headroom` of device memory free, the shipped
+  h100-efa profile's for every row: `planner_fits`); fit and OOM recall judge the memory
+  model alone, without it;
 - pick_failed: whether the first-ranked layout of all the cell's runs (failed ones included)
   did not train;
 - spearman: rank correlation of predicted and measured throughput over the runs that trained;
@@ -75,11 +76,11 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(value) if np.isfinite(value) else float("nan")
 
 
-def planner_fits(priced: Priced, params: CostParams) -> np.ndarray:
-    """The runs the planner could pick: predicted to fit with ``params.memory_headroom`` of
-    device memory left free (`RunPricer` prices the memory model without it)."""
-    keep = params.memory_headroom * priced.capacity_bytes
-    return priced.fits & (priced.memory_bytes + keep <= priced.capacity_bytes)
+def planner_fits(priced: Priced, headroom: float) -> np.ndarray:
+    """The runs the planner could pick: predicted to fit with ``headroom`` (a share) of device
+    memory left free (`RunPricer` prices the memory model without it)."""
+    return priced.fits & (priced.memory_bytes + headroom * priced.capacity_bytes
+                          <= priced.capacity_bytes)
 
 
 def cell_scores(runs: Sequence[Run], tps: np.ndarray, fits: np.ndarray,
@@ -182,6 +183,8 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
         fold_evals, max_evals = min(fold_evals, 15), min(max_evals, 60)
     cells = _by_cell(runs)
     pricer = RunPricer("h100-efa", progress=say)
+    # the planner's margin is the cluster profile's (a policy: no fit moves it)
+    keep = pricer.cluster(1).params.memory_headroom
     rows: dict[str, dict] = {}
 
     say(f"{len(runs)} runs in {len(cells)} cells; textbook baseline ...")
@@ -193,13 +196,13 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
     say("unfitted defaults ...")
     priced = pricer.price(runs, CostParams())
     rows["autopar (unfitted defaults)"] = _score(runs, cells, priced.tps, priced.fits,
-                                                 planner_fits(priced, CostParams()))
+                                                 planner_fits(priced, keep))
 
     say("fit on all cells ...")
     full = fit_params(runs, pricer, start=CostParams(), max_evals=max_evals, progress=say)
     priced = pricer.price(runs, full.params)
     rows["autopar (fit on all cells)"] = _score(runs, cells, priced.tps, priced.fits,
-                                                planner_fits(priced, full.params))
+                                                planner_fits(priced, keep))
 
     loo_tps, loo_fits = np.zeros(len(runs)), np.zeros(len(runs), dtype=bool)
     loo_pick = np.zeros(len(runs), dtype=bool)
@@ -212,10 +215,10 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
         test = [runs[i] for i in idx]
         p = pricer.price(test, fold.params)
         loo_tps[idx], loo_fits[idx] = p.tps, p.fits
-        loo_pick[idx] = planner_fits(p, fold.params)
+        loo_pick[idx] = planner_fits(p, keep)
         folds[f"{model} x{nodes}"] = fold.params.to_dict()
     rows[LOCO] = _score(runs, cells, loo_tps, loo_fits, loo_pick)
-    model_fits = _leave_one_model_out(runs, cells, pricer, rows, max_evals, say)
+    model_fits = _leave_one_model_out(runs, cells, pricer, rows, max_evals, say, keep)
 
     rows[ORACLE] = _oracle_scores(runs, cells)
 
@@ -237,7 +240,7 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
     return {"runs_file": str(path or DEFAULT_RUNS), "runs": len(runs), "cells": len(cells),
             "skipped_rows": [r.row for r in skipped],
             "quick": quick, "seconds": round(time.perf_counter() - t0, 1),
-            "memory_headroom": full.params.memory_headroom,
+            "memory_headroom": keep,
             "fit": full.report, "params": full.params.to_dict(), "fold_params": folds,
             "model_fits": model_fits, "rows": rows, "summary": summary, "checks": checks,
             "model_checks": model_checks}
@@ -251,7 +254,7 @@ def oracle_ratio_worst(scores: dict[str, dict], oracle: dict[str, dict]) -> floa
     return float(min(ratios)) if ratios else float("nan")
 
 
-def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say) -> dict:
+def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say, keep: float) -> dict:
     """Fill ``rows[LOMO]`` (see the module docstring); returns each held-out model's fit report
     (the parameters with their bounds). Nothing when the runs hold one model."""
     names = sorted({r.model for r in runs})
@@ -267,7 +270,7 @@ def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say) -> dict:
         fold = fit_params(train, pricer, start=CostParams(), max_evals=max_evals)
         idx = [i for i, r in enumerate(runs) if r.model == held]
         p = pricer.price([runs[i] for i in idx], fold.params)
-        tps[idx], fits[idx], pick[idx] = p.tps, p.fits, planner_fits(p, fold.params)
+        tps[idx], fits[idx], pick[idx] = p.tps, p.fits, planner_fits(p, keep)
         reports[held] = {"fitted_on": sorted(set(names) - {held}), **fold.report}
     rows[LOMO] = _score(runs, cells, tps, fits, pick)
     rows[LOMO_RAW] = _score(runs, cells, tps, fits)

@@ -21,7 +21,9 @@ from vocab.layout import Layout
 
 
 def test_the_headroom_is_a_bounded_policy_never_fitted():
-    assert 0.0 < HEADROOM == CostParams().memory_headroom < 0.3
+    # the playbook's cluster keeps it; the datasheet profiles keep none
+    assert 0.0 < HEADROOM == Cluster("h100-efa").params.memory_headroom < 0.3
+    assert CostParams().memory_headroom == 0.0 == Cluster("h100").params.memory_headroom
     assert "memory_headroom" in POLICY_PARAMETERS and "memory_headroom" not in TIME_PARAMETERS
     with pytest.raises(ValueError, match="outside its bounds"):
         CostParams(memory_headroom=0.5)
@@ -68,8 +70,7 @@ def test_the_playbook_ranking_keeps_the_headroom():
     priced = Priced(tps=np.array([120.0, 100.0]), memory_bytes=np.array([77.6e9, 50e9]),
                     capacity_bytes=np.array([80e9, 80e9]), valid=np.array([True, True]))
     raw = cell_scores(runs, priced.tps, priced.fits)
-    keep = cell_scores(runs, priced.tps, priced.fits, planner_fits(priced, CostParams(
-        memory_headroom=0.05)))
+    keep = cell_scores(runs, priced.tps, priced.fits, planner_fits(priced, 0.05))
     assert raw["regret"] == pytest.approx(30 / 90) and keep["regret"] == 1.0
     assert raw["fit_recall"] == keep["fit_recall"] == 1.0  # the memory model is judged alone
 
@@ -80,7 +81,7 @@ def test_the_shipped_h100_efa_profile_is_a_fit_of_every_time_parameter():
     assert "date" not in fit and fit["runs_file"] == "bench/data/playbook-runs-1b-8b.csv"
     # fitted since the attention rate and framework memory: every time parameter in the report
     assert set(TIME_PARAMETERS) <= set(fit["parameters"])
-    assert profile.params.memory_headroom == HEADROOM  # a policy, not in the fit
+    assert profile.params.memory_headroom == HEADROOM  # a policy the refit keeps
 
 
 def test_the_plan_summary_says_the_headroom_it_keeps_and_whose_parameters():
@@ -88,9 +89,9 @@ def test_the_plan_summary_says_the_headroom_it_keeps_and_whose_parameters():
     model = models.build(cfg, device="meta")
     inputs = models.example_inputs(cfg, batch=16, seq=1024, device="meta")
     layout = autopar.Layout(dp=8, zero=1, microbatch=1, grad_accum=2)
-    for name, words in (("h100", "default"), ("h100-efa", "fitted")):
+    for name, words, share in (("h100", "default", 0.0), ("h100-efa", "fitted", HEADROOM)):
         plan = autopar.plan(model, inputs, cluster=autopar.Cluster(name, nodes=1), layout=layout)
         keep = plan.predicted.memory_breakdown["headroom"]
-        assert keep == pytest.approx(HEADROOM * plan.predicted.memory_capacity_bytes)
+        assert keep == pytest.approx(share * plan.predicted.memory_capacity_bytes)
         line = next(x for x in plan.summary().splitlines() if x.startswith("headroom kept"))
-        assert f"({HEADROOM:.0%} of the device)" in line and f"the profile's {words}" in line
+        assert f"({share:.0%} of the device)" in line and f"the profile's {words}" in line
