@@ -4,8 +4,12 @@ The Ultra-Scale Playbook measured every layout of its 1B and 8B models on 1 to 6
 8xH100 (``shared/reference/playbook-runs-1b-8b.csv``, shipped as ``data/``). A cell is one (model, nodes): the
 layouts that compete for one cluster. Per cell, for a set of predictions:
 
-- regret: measured throughput of the layout ranked first among those predicted to fit (of the
-  runs that trained), over the cell's best measured throughput (1 = autopar picks the best);
+- regret: measured throughput of the layout ranked first among those the planner would pick
+  (of the runs that trained), over the cell's best measured throughput (1 = autopar picks the
+  best). The planner picks among the layouts predicted to fit with the headroom the cluster
+  profile keeps (`cost.params.CostParams.memory_headroom` of device memory free, the shipped
+  h100-efa profile's for every row: `planner_fits`); fit and OOM recall judge the memory
+  model alone, without it;
 - pick_failed: whether the first-ranked layout of all the cell's runs (failed ones included)
   did not train;
 - spearman: rank correlation of predicted and measured throughput over the runs that trained;
@@ -23,6 +27,8 @@ Rows, all in one run:
   other models' runs only, then ranking every cell of the held-out model: out of sample on a
   model whose quirks the fit never saw (fit on 1B, rank 8B; fit on 8B, rank 1B). Absent when
   the file holds one model.
+- ``autopar (leave one model out, no headroom)``: the same predictions ranked among every
+  layout predicted to fit (no headroom kept): what the headroom buys, out of sample.
 - ``autopar (fit on all cells)``: the shipped profile's parameters; in-sample.
 - ``autopar (unfitted defaults)``: `CostParams()` defaults, the model before calibration.
 - ``textbook``: `bench.textbook`, no fitting.
@@ -41,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from autopar.calibrate.fit import fit_params
-from autopar.calibrate.runs import Run, RunPricer, read_runs, skipped_note, usable
+from autopar.calibrate.runs import Priced, Run, RunPricer, read_runs, skipped_note, usable
 from bench.textbook import textbook
 from bench.twin_oracle import expected_regret, twin_oracle
 from cost.params import CostParams
@@ -57,6 +63,7 @@ MODEL_TARGETS = {"regret_median": 0.99, "oracle_ratio_worst": 0.90, "spearman_me
                  "fit_recall": 0.97}
 LOCO = "autopar (leave one cell out)"
 LOMO = "autopar (leave one model out)"
+LOMO_RAW = "autopar (leave one model out, no headroom)"
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -69,12 +76,22 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(value) if np.isfinite(value) else float("nan")
 
 
-def cell_scores(runs: Sequence[Run], tps: np.ndarray, fits: np.ndarray) -> dict:
-    """The per-cell figures of the module docstring for one cell's runs and predictions."""
+def planner_fits(priced: Priced, headroom: float) -> np.ndarray:
+    """The runs the planner could pick: predicted to fit with ``headroom`` (a share) of device
+    memory left free (`RunPricer` prices the memory model without it)."""
+    return priced.fits & (priced.memory_bytes + headroom * priced.capacity_bytes
+                          <= priced.capacity_bytes)
+
+
+def cell_scores(runs: Sequence[Run], tps: np.ndarray, fits: np.ndarray,
+                eligible: np.ndarray | None = None) -> dict:
+    """The per-cell figures of the module docstring for one cell's runs and predictions;
+    ``eligible``: the runs the planner ranks (``fits`` when None)."""
     measured = np.array([r.tok_s_gpu or 0.0 for r in runs])
     trained = np.array([r.trained for r in runs])
     best = float(measured.max())
-    ranked = [i for i in np.argsort(-tps, kind="stable") if fits[i]]
+    eligible = fits if eligible is None else eligible
+    ranked = [i for i in np.argsort(-tps, kind="stable") if eligible[i]]
     trained_ranked = [i for i in ranked if trained[i]]
     pick = trained_ranked[0] if trained_ranked else None
     b = int(np.argmax(measured))
@@ -128,8 +145,9 @@ def _by_cell(runs: Sequence[Run]) -> dict[tuple[str, int], list[int]]:
     return dict(sorted(cells.items()))
 
 
-def _score(runs, cells, tps, fits) -> dict[str, dict]:
-    return {f"{m} x{n}": cell_scores([runs[i] for i in idx], tps[idx], fits[idx])
+def _score(runs, cells, tps, fits, eligible=None) -> dict[str, dict]:
+    eligible = fits if eligible is None else eligible
+    return {f"{m} x{n}": cell_scores([runs[i] for i in idx], tps[idx], fits[idx], eligible[idx])
             for (m, n), idx in cells.items()}
 
 
@@ -165,6 +183,8 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
         fold_evals, max_evals = min(fold_evals, 15), min(max_evals, 60)
     cells = _by_cell(runs)
     pricer = RunPricer("h100-efa", progress=say)
+    # the planner's margin is the cluster profile's (a policy: no fit moves it)
+    keep = pricer.cluster(1).params.memory_headroom
     rows: dict[str, dict] = {}
 
     say(f"{len(runs)} runs in {len(cells)} cells; textbook baseline ...")
@@ -175,14 +195,17 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
 
     say("unfitted defaults ...")
     priced = pricer.price(runs, CostParams())
-    rows["autopar (unfitted defaults)"] = _score(runs, cells, priced.tps, priced.fits)
+    rows["autopar (unfitted defaults)"] = _score(runs, cells, priced.tps, priced.fits,
+                                                 planner_fits(priced, keep))
 
     say("fit on all cells ...")
     full = fit_params(runs, pricer, start=CostParams(), max_evals=max_evals, progress=say)
     priced = pricer.price(runs, full.params)
-    rows["autopar (fit on all cells)"] = _score(runs, cells, priced.tps, priced.fits)
+    rows["autopar (fit on all cells)"] = _score(runs, cells, priced.tps, priced.fits,
+                                                planner_fits(priced, keep))
 
     loo_tps, loo_fits = np.zeros(len(runs)), np.zeros(len(runs), dtype=bool)
+    loo_pick = np.zeros(len(runs), dtype=bool)
     folds = {}
     for k, ((model, nodes), idx) in enumerate(cells.items(), start=1):
         say(f"fold {k}/{len(cells)}: holding out {model} x{nodes} ...")
@@ -192,14 +215,15 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
         test = [runs[i] for i in idx]
         p = pricer.price(test, fold.params)
         loo_tps[idx], loo_fits[idx] = p.tps, p.fits
+        loo_pick[idx] = planner_fits(p, keep)
         folds[f"{model} x{nodes}"] = fold.params.to_dict()
-    rows[LOCO] = _score(runs, cells, loo_tps, loo_fits)
-    model_fits = _leave_one_model_out(runs, cells, pricer, rows, max_evals, say)
+    rows[LOCO] = _score(runs, cells, loo_tps, loo_fits, loo_pick)
+    model_fits = _leave_one_model_out(runs, cells, pricer, rows, max_evals, say, keep)
 
     rows[ORACLE] = _oracle_scores(runs, cells)
 
     summary = {name: summarize(c) for name, c in rows.items()}
-    for name in (LOCO, LOMO, "textbook"):
+    for name in (LOCO, LOMO, LOMO_RAW, "textbook"):
         if name in rows:
             summary[name]["oracle_ratio_worst"] = oracle_ratio_worst(rows[name], rows[ORACLE])
     loo, base = summary[LOCO], summary["textbook"]
@@ -216,6 +240,7 @@ def run_playbook_bench(path: str | Path | None = None, fold_evals: int = 60,
     return {"runs_file": str(path or DEFAULT_RUNS), "runs": len(runs), "cells": len(cells),
             "skipped_rows": [r.row for r in skipped],
             "quick": quick, "seconds": round(time.perf_counter() - t0, 1),
+            "memory_headroom": keep,
             "fit": full.report, "params": full.params.to_dict(), "fold_params": folds,
             "model_fits": model_fits, "rows": rows, "summary": summary, "checks": checks,
             "model_checks": model_checks}
@@ -229,7 +254,7 @@ def oracle_ratio_worst(scores: dict[str, dict], oracle: dict[str, dict]) -> floa
     return float(min(ratios)) if ratios else float("nan")
 
 
-def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say) -> dict:
+def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say, keep: float) -> dict:
     """Fill ``rows[LOMO]`` (see the module docstring); returns each held-out model's fit report
     (the parameters with their bounds). Nothing when the runs hold one model."""
     names = sorted({r.model for r in runs})
@@ -237,6 +262,7 @@ def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say) -> dict:
         say("one model in the runs: no leave-one-model-out row")
         return {}
     tps, fits = np.zeros(len(runs)), np.zeros(len(runs), dtype=bool)
+    pick = np.zeros(len(runs), dtype=bool)
     reports = {}
     for k, held in enumerate(names, start=1):
         say(f"model fold {k}/{len(names)}: fitting from the defaults without {held} ...")
@@ -244,16 +270,18 @@ def _leave_one_model_out(runs, cells, pricer, rows, max_evals, say) -> dict:
         fold = fit_params(train, pricer, start=CostParams(), max_evals=max_evals)
         idx = [i for i, r in enumerate(runs) if r.model == held]
         p = pricer.price([runs[i] for i in idx], fold.params)
-        tps[idx], fits[idx] = p.tps, p.fits
+        tps[idx], fits[idx], pick[idx] = p.tps, p.fits, planner_fits(p, keep)
         reports[held] = {"fitted_on": sorted(set(names) - {held}), **fold.report}
-    rows[LOMO] = _score(runs, cells, tps, fits)
+    rows[LOMO] = _score(runs, cells, tps, fits, pick)
+    rows[LOMO_RAW] = _score(runs, cells, tps, fits)
     return reports
 
 
 def format_playbook_bench(result: dict) -> str:
     """The summary table, per-cell leave-one-out figures, and the acceptance checks."""
     lines = [f"bench playbook: {result['runs']} runs in {result['cells']} cells "
-             f"({result['runs_file']}), {result['seconds']:.0f} s", ""]
+             f"({result['runs_file']}), {result['seconds']:.0f} s; the planner keeps "
+             f"{result.get('memory_headroom', 0.0):.0%} of device memory free", ""]
     head = (f"{'predictions':32s} {'regret med':>10s} {'worst':>6s} {'failed picks':>12s} "
             f"{'spearman':>8s} {'best pred/meas err':>18s} {'fit rec':>7s} {'oom rec':>7s}")
     lines += [head, "-" * len(head)]

@@ -111,6 +111,14 @@ def buffer_bytes(
     return float(total)
 
 
+def headroom_bytes(cluster) -> float:
+    """Bytes a plan leaves free on one device of ``cluster`` (a `cost.cluster.Cluster`):
+    h * capacity with h = `CostParams.memory_headroom` on a GPU (its caching allocator slows
+    near the limit), 0 on CPU ranks."""
+    gpu = cluster.gpu
+    return 0.0 if gpu.is_cpu else float(cluster.params.memory_headroom * gpu.memory_bytes)
+
+
 @dataclass
 class MemoryBreakdown:
     """Bytes on one device by category (the keys of ``plan.predicted["memory_breakdown"]``)."""
@@ -121,6 +129,9 @@ class MemoryBreakdown:
     activations: float = 0.0
     buffers: float = 0.0
     reserve: float = RESERVE_BYTES
+    # the share of the device the planner leaves free (`cost.params.CostParams.memory_headroom`
+    # times the capacity): counted so that every "does it fit" keeps it
+    headroom: float = 0.0
 
     @property
     def total(self) -> float:
@@ -132,8 +143,9 @@ class MemoryBreakdown:
             + self.activations
             + self.buffers
             + self.reserve
+            + self.headroom
         )
 
     def as_dict(self) -> dict[str, float]:
-        """Exactly params, grads, optimizer, activations, buffers, reserve -> bytes."""
+        """Exactly params, grads, optimizer, activations, buffers, reserve, headroom -> bytes."""
         return {k: float(v) for k, v in asdict(self).items()}

@@ -30,7 +30,7 @@ import numpy as np
 
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
-from cost.memory import MemoryBreakdown, buffer_bytes, model_state_bytes
+from cost.memory import MemoryBreakdown, buffer_bytes, headroom_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import fused_accum, recipe
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
@@ -414,6 +414,7 @@ def _memory(facts, cluster, lay, rec, params_stage, choices: tuple[RecomputeChoi
                                      kept_weight_params=None if lay.reshard else float(params_stage[s]))
                 + float(extra[s]),
                 reserve=cluster.params.memory_reserve_bytes,
+                headroom=headroom_bytes(cluster),
             )
         )
     return out

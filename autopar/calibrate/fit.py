@@ -234,8 +234,11 @@ def fit_profile(runs_path: str | os.PathLike, cluster: str, out: str | os.PathLi
         progress(skipped_note(skipped))
     pricer = RunPricer(cluster, gpus_per_node, progress=progress)
     result = fit_params(runs, pricer, start=CostParams(), max_evals=max_evals, progress=progress)
+    # the planner's margin is a policy no residual sees: the profile keeps its own
+    keep = pricer.cluster(1).params.memory_headroom
+    result = FitResult(result.params.replace(memory_headroom=keep), result.report)
     fit = {"runs_file": str(runs_path), "cluster": cluster, "gpus_per_node": gpus_per_node,
-           "date": time.strftime("%Y-%m-%d"), "sample": "in-sample: every usable run of the file",
+           "sample": "in-sample: every usable run of the file",
            "skipped_rows": [r.row for r in skipped],
            "coverage": coverage(runs),
            **result.report}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ import numpy as np
 
 from autopar import models
 from cost.cluster import Cluster
+from cost.params import CostParams
 from cost.step import predict, predict_memory
 from cost.step_facts import StepFacts
 from vocab.layout import Layout, LayoutError
@@ -270,10 +272,20 @@ class RunPricer:
         tps, mem, cap = np.zeros(n), np.full(n, np.inf), np.zeros(n)
         valid = np.zeros(n, dtype=bool)
         for i, run in enumerate(runs):
-            cluster = self.run_cluster(run, params)
-            cap[i] = cluster.gpu.memory_bytes
             try:
+                # first: building a run's facts sets the shared cluster to the profile's own
+                # parameters, which the run must not be priced with
                 facts = self.facts(run)
+            except LayoutError:
+                facts = None
+            cluster = self.run_cluster(run, params)
+            # the memory model itself: the planner's margin (`CostParams.memory_headroom`) is
+            # not what a run holds; `bench.playbook` ranks with it
+            cluster.params = _without_headroom(cluster.params)
+            cap[i] = cluster.gpu.memory_bytes
+            if facts is None:
+                continue
+            try:
                 m = predict_memory(facts, cluster, run.layout)
                 if not memory_only:
                     tps[i] = predict(facts, cluster, run.layout, memory=m).tokens_per_s_per_gpu
@@ -282,6 +294,11 @@ class RunPricer:
             mem[i], valid[i] = m.total, True
         self.clear()
         return Priced(tps=tps, memory_bytes=mem, capacity_bytes=cap, valid=valid)
+
+
+@functools.lru_cache(maxsize=64)
+def _without_headroom(params: CostParams) -> CostParams:
+    return params.replace(memory_headroom=0.0) if params.memory_headroom else params
 
 
 @dataclass

@@ -149,10 +149,12 @@ class Plan:
             f"MFU {100 * p.mfu:.1f} %, memory {fmt_bytes(p.memory_per_device_bytes)} of "
             f"{fmt_bytes(p.memory_capacity_bytes)} per device ({'fits' if p.fits else 'DOES NOT FIT'})"
         )
-        cp = self.cluster.params
-        lines.append(f"headroom kept: a {fmt_bytes(cp.memory_reserve_bytes)} reserve and activations "
-                     f"counted x{cp.activation_fragmentation:.2f} for the allocator (the profile's "
-                     f"fitted memory parameters); {fmt_bytes(max(p.memory_capacity_bytes - p.memory_per_device_bytes, 0.0))} free beyond")
+        cp, keep = self.cluster.params, p.memory_breakdown.get("headroom", 0.0)
+        lines.append(f"headroom kept: {fmt_bytes(keep)} ({keep / p.memory_capacity_bytes:.0%} of the "
+                     f"device) left free for the allocator, beside a {fmt_bytes(cp.memory_reserve_bytes)} "
+                     f"reserve and activations counted x{cp.activation_fragmentation:.2f} (the profile's "
+                     f"{'fitted' if coverage else 'default'} memory parameters); "
+                     f"{fmt_bytes(max(p.memory_capacity_bytes - p.memory_per_device_bytes, 0.0))} free beyond")
         exposed_comm = tb["tp_comm_s"] + tb["cp_comm_exposed_s"] + tb["ep_comm_s"] + tb["dp_comm_exposed_s"] + tb["pp_p2p_s"]
         rows = [
             ["compute", fmt_time(tb["compute_s"])],

@@ -10,7 +10,7 @@ import numpy as np
 from cost.cluster import Cluster
 from cost.compute import gemm_efficiency
 from cost.hardware import GPUSpec
-from cost.memory import buffer_bytes, model_state_bytes
+from cost.memory import buffer_bytes, headroom_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import recipe
 from cost.stages import StageMemory, balanced_cuts
@@ -265,7 +265,7 @@ def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemo
                                        np.clip(facts.saved.layer, -1, n) + 1, n + 2, choice)
     flight = [in_flight_microbatches(layout.schedule, layout.pp, layout.grad_accum, k, layout.virtual_stages)
               for k in range(layout.pp)]
-    shared = (cluster.params.memory_reserve_bytes + transient
+    shared = (cluster.params.memory_reserve_bytes + headroom_bytes(cluster) + transient
               + buffer_bytes(layout.dp * layout.cp, layout.zero, block_params(facts, layout, max(n, 1)),
                              rec.param_bytes))
     return StageMemory(static[1:n + 1], act[1:n + 1], float(static[0]), float(act[0]),

@@ -108,4 +108,5 @@ def test_buffers_and_breakdown():
         "activations",
         "buffers",
         "reserve",
+        "headroom",
     ]

@@ -23,7 +23,8 @@ def test_model_state_memory_follows_the_zero_formulas(llama_step):
         assert mem["params"] == pytest.approx(params * psi, rel=1e-6)
         assert mem["grads"] == pytest.approx(grads * psi, rel=1e-6)
         assert mem["optimizer"] == pytest.approx(opt * psi, rel=1e-6)
-        assert set(mem) == {"params", "grads", "optimizer", "activations", "buffers", "reserve"}
+        assert set(mem) == {"params", "grads", "optimizer", "activations", "buffers", "reserve",
+                            "headroom"}
 
 
 def test_activations_scale_with_microbatch_and_shrink_with_tp_sp_and_recompute(llama_step):
