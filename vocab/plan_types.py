@@ -177,6 +177,26 @@ class PlanDecisions:
                                 sharded=frozenset(n for n, p in self.params.items() if p.zero_sharded),
                                 comm=self.comm)
 
+    def stage_choices(self) -> tuple[RecomputeChoice, ...]:
+        """What each pipeline rank recomputes (one choice without a pipeline)."""
+        return tuple(self.stage_recompute(r) for r in range(self.layout.pp))
+
+    def fp8_part(self) -> Fp8Part:
+        """The FP8 passes' part."""
+        return Fp8Part(tuple(self.fp8), self.layout.fp8_recipe)
+
+    def recompute_part(self) -> RecomputePart:
+        """The recompute pass's part (each block's rank: chunk c of ``stages`` runs on rank
+        c mod pp)."""
+        pp = self.layout.pp
+        block_rank = {b: c % pp for c, (first, last) in enumerate(self.stages) for b in range(first, last + 1)}
+        return RecomputePart(self.stage_choices(), block_rank, self.layout.regather)
+
+    def pipeline_part(self) -> PipelinePart:
+        """The pipeline split's part."""
+        return PipelinePart(self.layout, tuple(self.stages),
+                            tuple(p for p, d in self.params.items() if d.placements["dp"].is_shard))
+
     def tensor_parallel(self) -> TensorParallelPlan:
         """The tensor-parallel pass's part."""
         return TensorParallelPlan(
@@ -280,6 +300,36 @@ class TensorParallelPlan:
     placements: dict[str, AxisPlacement]
     sequence_parallel: bool = False
     replicated_ops: frozenset[str] = frozenset()  # ops the plan runs replicated (no strategy)
+
+
+@dataclass(frozen=True)
+class Fp8Part:
+    """What the FP8 passes execute: the weights (names or `fp8_group` patterns) whose matmuls
+    run in FP8, and the scaling recipe (`Layout.fp8_recipe`)."""
+
+    weights: tuple[str, ...]
+    recipe: str
+
+
+@dataclass(frozen=True)
+class RecomputePart:
+    """What the recompute pass executes: what each pipeline rank recomputes (one entry without
+    a pipeline), each block's pipeline rank, and `Layout.regather`."""
+
+    choices: tuple[RecomputeChoice, ...]
+    block_rank: dict[int, int]
+    regather: bool = True
+
+
+@dataclass(frozen=True)
+class PipelinePart:
+    """What the pipeline split executes: the layout (degrees, schedule), the stages' blocks
+    (first, last; one entry per chunk under interleaved 1F1B), and the parameters ZeRO-1 shards
+    over "dp" (the runtime's optimizer-step rows)."""
+
+    layout: Layout
+    stages: tuple[tuple[int, int], ...]
+    zero_sharded: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from torch import fx, nn
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from autopar.capture.graph import GraphInput, GraphOutput, TrainingGraph
 
@@ -686,7 +687,7 @@ class _BlockExpansion:
 
     def _result(self) -> TrainingGraph:
         small = self.small
-        long = fx.GraphModule(small.gm, self.new)
+        long = _make_graph_module(small.gm, self.new)  # lazy code under `_use_lazy_graph_module`
         shapes, dtypes = {}, {}
         placeholders = {n.name: n for n in long.graph.nodes if n.op == "placeholder"}
         for s in self.new_inputs:

@@ -1,8 +1,8 @@
 """One rank's graph rewritten for the plan: the declared list of passes `parallelize` runs.
 
 `PASSES` is the whole rewrite, in order. Each `Pass` takes one typed part of the plan
-(`vocab.plan_types.PlanDecisions`: ``tensor_parallel()``, ``data_parallel()``, the FP8 weights,
-the recompute choices, the stages) and rewrites the rank's graph in a `RankRewrite`; what a
+(`vocab.plan_types.PlanDecisions`: ``tensor_parallel()``, ``data_parallel()``, ``fp8_part()``,
+``recompute_part()``, ``pipeline_part()``) and rewrites the rank's graph in a `RankRewrite`; what a
 pass finds as it runs (the ops it had to run replicated, the values it recomputes) goes into
 the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, and why:
 
@@ -64,9 +64,12 @@ from vocab.plan_types import (
     DataParallelPlan,
     ExecutionReport,
     Fallback,
+    Fp8Part,
     GraphSignature,
+    PipelinePart,
     PlanDecisions,
     RecomputeChoice,
+    RecomputePart,
     TensorParallelPlan,
 )
 
@@ -119,34 +122,6 @@ class RankRewrite:
 
 
 @dataclass(frozen=True)
-class Fp8Part:
-    """The FP8 pass's part: the weights whose matmuls run in FP8 and the scaling recipe."""
-
-    weights: tuple[str, ...]
-    recipe: str
-
-
-@dataclass(frozen=True)
-class RecomputePart:
-    """The recompute pass's part: what each pipeline rank recomputes (one entry without a
-    pipeline), each block's pipeline rank, and `Layout.regather`."""
-
-    choices: tuple[RecomputeChoice, ...]
-    block_rank: dict[int, int]
-    regather: bool = True
-
-
-@dataclass(frozen=True)
-class PipelinePart:
-    """The pipeline split's part: the layout (degrees, schedule), the stages' blocks, and the
-    parameters ZeRO-1 shards over "dp" (the runtime's optimizer-step rows)."""
-
-    layout: Layout
-    stages: tuple[tuple[int, int], ...]
-    zero_sharded: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class Pass:
     """One step of the rewrite: ``runs(state)``: whether the plan (or, for the loss's
     normalisers, the loss's analysis) asks for it; ``part(decisions)``: the typed part of the
@@ -159,20 +134,8 @@ class Pass:
     apply: Callable[[RankRewrite, Any], None]
 
 
-def stage_choices(decisions: PlanDecisions) -> tuple[RecomputeChoice, ...]:
-    """What each pipeline rank recomputes (one choice without a pipeline)."""
-    return tuple(decisions.stage_recompute(r) for r in range(decisions.layout.pp))
-
-
 def _recomputing(decisions: PlanDecisions) -> bool:
-    return any(c.mode != "none" for c in stage_choices(decisions))
-
-
-def _recompute_part(decisions: PlanDecisions) -> RecomputePart:
-    lay = decisions.layout
-    block_rank = {b: c % lay.pp for c, (first, last) in enumerate(decisions.stages)
-                  for b in range(first, last + 1)}
-    return RecomputePart(stage_choices(decisions), block_rank, lay.regather)
+    return any(c.mode != "none" for c in decisions.stage_choices())
 
 
 def _loss_denominators(state: RankRewrite, part: None) -> None:
@@ -294,15 +257,6 @@ def _pipeline_split(state: RankRewrite, part: PipelinePart) -> None:
                                state.layout.tp > 1, state.others)
 
 
-def _pipeline_part(decisions: PlanDecisions) -> PipelinePart:
-    return PipelinePart(decisions.layout, tuple(decisions.stages),
-                        tuple(p for p, d in decisions.params.items() if d.placements["dp"].is_shard))
-
-
-def _fp8_part(decisions: PlanDecisions) -> Fp8Part:
-    return Fp8Part(tuple(decisions.fp8), decisions.layout.fp8_recipe)
-
-
 def _no_part(decisions: PlanDecisions) -> None:
     return None
 
@@ -311,15 +265,15 @@ def _no_part(decisions: PlanDecisions) -> None:
 PASSES: tuple[Pass, ...] = (
     Pass("loss_denominators", lambda s: s.reduction is not None and s.reduction.mode == "global",
          _no_part, _loss_denominators),
-    Pass("fp8", lambda s: bool(s.decisions.fp8), _fp8_part, _fp8),
+    Pass("fp8", lambda s: bool(s.decisions.fp8), PlanDecisions.fp8_part, _fp8),
     Pass("tensor_parallel", lambda s: s.layout.tp > 1,
          lambda d: (d.tensor_parallel(), tuple(d.fallbacks)), _tensor_parallel),
     Pass("context_parallel", lambda s: s.layout.cp > 1, lambda d: d.layout, _context_parallel),
     Pass("expert_parallel", lambda s: s.layout.ep > 1, lambda d: d.layout, _expert_parallel),
-    Pass("fp8_scales", lambda s: bool(s.decisions.fp8) and s.layout.dp > 1, _fp8_part, _fp8_scales),
-    Pass("recompute", lambda s: _recomputing(s.decisions), _recompute_part, _recompute_pass),
+    Pass("fp8_scales", lambda s: bool(s.decisions.fp8) and s.layout.dp > 1, PlanDecisions.fp8_part, _fp8_scales),
+    Pass("recompute", lambda s: _recomputing(s.decisions), PlanDecisions.recompute_part, _recompute_pass),
     Pass("loss_weighting", lambda s: True, _no_part, _weight_loss),
-    Pass("pipeline_split", lambda s: s.layout.pp > 1, _pipeline_part, _pipeline_split),
+    Pass("pipeline_split", lambda s: s.layout.pp > 1, PlanDecisions.pipeline_part, _pipeline_split),
     Pass("data_parallel", lambda s: s.layout.pp == 1 and s.layout.dp > 1, lambda d: d.data_parallel(),
          _data_parallel),
 )
@@ -353,7 +307,7 @@ def read_captured(graph, decisions: PlanDecisions) -> CapturedFacts:
         gm, signature = graph.gm, captured_signature(graph)
         forward_mm = {mm: w for w, mms in weight_matmuls(gm, signature).items() for mm in mms.forward}
         groups = heavy_groups(gm, layers, {n: i.module for n, i in analysis.nodes.items()}, forward_mm)
-        unknown = {g for c in stage_choices(decisions) for g in c.outputs} - set(groups.values())
+        unknown = {g for c in decisions.stage_choices() for g in c.outputs} - set(groups.values())
         if unknown:
             raise UnsupportedLayoutError(
                 f"the plan recomputes {sorted(unknown)}, which this rank's graph does not have "

@@ -407,12 +407,16 @@ def recompute_marks(graph: TrainingGraph, analysis: GraphAnalysis,
     nodes = list(graph.gm.graph.nodes)
     position = {n.name: i for i, n in enumerate(nodes)}
     infos = analysis.nodes
-    backward_reads = [a for n in nodes if is_backward(n) for a in n.all_input_nodes]
+    # each value the backward reads, once (the walks below are reachability: order-free)
+    backward_reads = list(dict.fromkeys(a for n in nodes if is_backward(n) for a in n.all_input_nodes))
+    storages: dict[str, str | None] = {}
 
     def forward_storage(node) -> str | None:
-        storage = infos[node.name].storage
-        ok = node.op != "placeholder" and not is_backward(node) and infos[storage].phase == "forward"
-        return storage if ok else None  # a view of a weight lives in an input: not counted
+        if node.name not in storages:
+            storage = infos[node.name].storage
+            ok = node.op != "placeholder" and not is_backward(node) and infos[storage].phase == "forward"
+            storages[node.name] = storage if ok else None  # a view of a weight lives in an input
+        return storages[node.name]
 
     def marks(recompute: frozenset[str]) -> _Marks:
         kept: set[str] = set()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from autopar.analysis.graph import GraphAnalysis, analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
@@ -118,7 +119,9 @@ def captured_step(model: nn.Module, example_inputs: Sequence, loss_fn: Callable 
     key = step_key(model, example_inputs, loss_fn, dtype, fused)
 
     def make() -> CapturedStep:
-        graph = capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
+        # planning never runs the graph: its Python code is generated when first read or run
+        with _use_lazy_graph_module(True):
+            graph = capture(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
         return CapturedStep(graph, analyze(graph), getattr(model, "config", None), fused)
 
     return _STEPS.get(key, make)
