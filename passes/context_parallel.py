@@ -50,6 +50,7 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -198,18 +199,25 @@ def _where(node: fx.Node) -> str:
 
 def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                            shapes: Sequence[tuple[int, ...]], mesh: DeviceMesh,
-                           balanced: bool = True) -> ContextParallelGraph:
+                           balanced: bool = True, reduce_grads: bool = True) -> ContextParallelGraph:
     """Trace ``gm`` (the dp-local step, whole sequences) into the graph one rank of the 1-D cp
     ``mesh`` runs. Placeholders and outputs keep their order and shapes (inputs whole: each
     rank slices its positions in the graph); gradients and the loss leave whole (all-reduced
     over cp), returned outputs whole in position order. ``balanced``: rank r holds sequence
-    chunks r and 2cp-1-r of 2cp (`passes.cp_balance`), else the r-th contiguous block."""
+    chunks r and 2cp-1-r of 2cp (`passes.cp_balance`), else the r-th contiguous block.
+
+    ``reduce_grads=False`` leaves each gradient as this rank's partial sum g_r, with
+    sum_r g_r = g (the sum over its positions; a gradient not split over the sequence whole
+    on CP rank 0 and 0 on the others, so the sum stays exact): the data-parallel pass then
+    reduces over the dp x cp ranks at once, as ZeRO sharding over dp x cp needs (Megatron's
+    dp-cp group)."""
     check_context_parallel(gm, signature, shapes, mesh.size(), balanced)
     _register_cpu_attention()
     grad_outputs = {i: n for n, i in signature.grad_index.items()}
     ids = shapes[sequence_inputs(signature, shapes)[0]]
+    grad_placement = Replicate() if reduce_grads else Partial()
     interp = _Interpreter(gm, mesh, [Replicate()] * len(shapes), shapes, False, (ids[0], ids[1]),
-                          grad_outputs, {i: Replicate() for i in grad_outputs}, signature.loss_index)
+                          grad_outputs, {i: grad_placement for i in grad_outputs}, signature.loss_index)
     runner = _Runner(interp, data_only(gm, signature), (ids[0], ids[1]), balanced)
     dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
@@ -262,7 +270,7 @@ class _Runner:
         self.rings = 0
         self._tp_call = interp._call
         interp._call = self._call
-        self._split: dict[fx.Node, DTensor] = {}
+        self._split: dict = {}  # node, or (node, placements): its rank-local slice
 
     def run(self, *args):
         holders = [n for n in self.interp.gm.graph.nodes if n.op == "placeholder"]
@@ -288,7 +296,27 @@ class _Runner:
                 with _why(f"CP: this rank's block of the sequence of {arg} (a local slice)"):
                     self._split[arg] = value.redistribute(self.mesh, [Shard(1)])
             split[arg] = self._split[arg]
+        self._split_alike(node, env, split)
         return ChainMap(split, env) if split else env
+
+    def _split_alike(self, node: fx.Node, env, split: dict) -> None:
+        """Data-only operands of ``node`` of the same shape as a sequence-split operand (a
+        token mask flattened like the tokens: a label-smoothed loss's ignore mask) enter split
+        as it is (a local slice); DTensor would gather the split operand instead where the
+        placement is a `_StridedShard`."""
+        values = {a: split.get(a, env.get(a)) for a in node.all_input_nodes}
+        cut = next((v for a, v in values.items() if a.name not in self.data and _token_split(v)), None)
+        if cut is None:
+            return
+        for arg, value in values.items():
+            if arg.name not in self.data or not isinstance(value, DTensor) or arg in split \
+                    or list(value.placements) != [Replicate()] or value.shape != cut.shape:
+                continue
+            key = (arg, tuple(cut.placements))
+            if key not in self._split:
+                with _why(f"CP: this rank's tokens of {arg} (a local slice)"):
+                    self._split[key] = value.redistribute(self.mesh, list(cut.placements))
+            split[arg] = self._split[key]
 
     def _run(self, env):
         for node in self.interp.gm.graph.nodes:
@@ -308,8 +336,28 @@ class _Runner:
             elif node.op == "get_attr":
                 env[node] = _tree_wrap(getattr(self.interp.gm, node.target), self.mesh)
             elif node.op == "output":
-                return self.interp._outputs(node, env)
+                return self.interp._outputs(node, self._partial_grads(node, env))
         raise AssertionError("graph without output")
+
+    def _partial_grads(self, node: fx.Node, env):
+        """Where the gradients leave unreduced (``Partial`` wanted): a gradient not already a
+        partial sum over cp (replicated, or split over the sequence: gathered whole) as the
+        whole value on CP rank 0 and zeros on the others, so that the sum over cp is exact."""
+        wanted = self.interp.grad_placements
+        fixed = {}
+        for index, arg in enumerate(node.args[0]):
+            value = env.get(arg) if isinstance(arg, fx.Node) else None
+            if not isinstance(value, DTensor) or wanted.get(index) != Partial() \
+                    or list(value.placements) == [Partial()] or arg in fixed:
+                continue
+            if list(value.placements) != [Replicate()]:
+                with _why(f"CP: gather the gradient {arg} whole (kept on CP rank 0, reduced over dp x cp)"):
+                    value = value.redistribute(self.mesh, [Replicate()])
+            whole = value.to_local()
+            local = whole if self.mesh.get_local_rank() == 0 else torch.zeros_like(whole)
+            fixed[arg] = DTensor.from_local(local, self.mesh, [Partial()], run_check=False,
+                                            shape=value.shape, stride=value.stride())
+        return ChainMap(fixed, env) if fixed else env
 
     def _call(self, node: fx.Node, env):
         if node.target not in (ATTENTION, ATTENTION_BACKWARD):  # the ring takes the mask whole
@@ -322,8 +370,54 @@ class _Runner:
             return self._nll_forward(node, env)
         if node.target in _NLL_BACKWARD and isinstance(env[node.args[1]], DTensor):
             return self._nll_backward(node, env)
+        if node.target is aten.sum.default and _token_split(env.get(node.args[0])):
+            return self._full_sum(node, env)
+        local = self._strided_pointwise(node, env)
+        if local is not None:
+            return local
         _refuse_mean_loss(node, env, self.mesh.size())
         return self._tp_call(node, env)
+
+    def _strided_pointwise(self, node: fx.Node, env):
+        """An element-wise op on tokens flattened from [b, s] (a `_StridedShard` over cp, which
+        DTensor's element-wise rules do not take: it would gather them): run on the rank's
+        tokens, its other operands of the same shape sliced alike (a local slice of a whole
+        value), scalars as they are. None where the operands do not fit that (DTensor's rule)."""
+        if torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+            return None
+        values = [env[a] for a in node.all_input_nodes]
+        cuts = [v for v in values if isinstance(v, DTensor) and type(v.placements[0]) is _StridedShard]
+        if not cuts or any(list(c.placements) != list(cuts[0].placements) or c.shape != cuts[0].shape
+                           for c in cuts):
+            return None
+        want, shape = list(cuts[0].placements), cuts[0].shape
+        local = {}
+        for arg, v in zip(node.all_input_nodes, values):
+            if not isinstance(v, DTensor) or list(v.placements) == want:
+                local[arg] = v.to_local() if isinstance(v, DTensor) else v
+            elif v.ndim == 0 and list(v.placements) == [Replicate()]:
+                local[arg] = v.to_local()
+            elif v.shape == shape and list(v.placements) == [Replicate()]:
+                with _why(f"CP: this rank's tokens of {arg} (a local slice)"):
+                    local[arg] = v.redistribute(self.mesh, want).to_local()
+            else:
+                return None
+        out = node.target(*fx.node.map_arg(node.args, local.__getitem__),
+                          **fx.node.map_arg(node.kwargs, local.__getitem__))
+        val = node.meta.get("val")
+        if not isinstance(out, torch.Tensor) or not isinstance(val, torch.Tensor) or val.shape != shape:
+            return None
+        return DTensor.from_local(out, self.mesh, want, run_check=False, shape=val.shape, stride=val.stride())
+
+    def _full_sum(self, node: fx.Node, env):
+        """The sum of every element of a sequence-split value (a label-smoothed loss's token
+        sum; DTensor has no rule for tokens flattened from [b, s], a `_StridedShard`): the
+        rank's local sum, a partial sum over cp."""
+        x = env[node.args[0]]
+        dtype = node.kwargs.get("dtype")
+        local = x.to_local().sum(dtype=dtype) if dtype is not None else x.to_local().sum()
+        return DTensor.from_local(local, self.mesh, [Partial()], run_check=False, shape=torch.Size([]),
+                                  stride=())
 
     def _sequence(self, x, arg: fx.Node, dim: int, op: fx.Node) -> torch.Tensor:
         """``x`` split on ``dim`` (the sequence), as this rank's local block."""
@@ -475,6 +569,14 @@ def _token_sharded(x) -> bool:
     if d is None or p.is_replicate() or p.is_partial():
         return False
     return d == 0 or (d >= 2 and type(p) is Shard)
+
+
+def _token_split(x) -> bool:
+    """``x`` is a DTensor split over cp (a `Shard` or `_StridedShard`), not whole or partial."""
+    if not isinstance(x, DTensor) or len(x.placements) != 1:
+        return False
+    p = x.placements[0]
+    return getattr(p, "dim", None) is not None and not p.is_replicate() and not p.is_partial()
 
 
 def _target_placements(x: DTensor) -> list:

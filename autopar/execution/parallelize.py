@@ -84,6 +84,7 @@ from cost import Cluster, Layout
 from cost.step import check_layout
 from passes.loss_reduction import LossReduction, analyze_loss, for_layout
 from runtime.executor import RankGraph
+from runtime.mesh import dp_cp_mesh
 from vocab.layout import unsupported_decisions
 from vocab.plan_types import GraphSignature
 
@@ -193,9 +194,12 @@ def parallelize(
     # (under a pipeline only those of this rank's stage)
     module = copy.deepcopy(model)
     held = state.pipeline.params if state.pipeline else None
-    if lay.cp > 1:  # parameters are replicated over cp: each cp rank's copy on its (dp, tp) mesh
+    params_mesh = mesh
+    if lay.cp > 1:  # parameters are replicated over cp: each cp rank's copy on its (dp, tp) mesh,
+        # ZeRO shards them over the dp x cp ranks
+        params_mesh = dp_cp_mesh(mesh) if lay.zero else mesh["dp", "tp"]
         mesh = mesh["dp", "tp"]
-    unloaded = _to_dtensors(module, mesh, chosen.decisions, graph.aliases, held)
+    unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in state.signature.placeholder_of("param") if held is None or p in held]
     return ParallelModule(module, _rank_graph(state), chosen.with_execution(report), mesh,
