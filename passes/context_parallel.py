@@ -82,6 +82,8 @@ _NLL_SUM = 2
 _NLL_FORWARD = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default}
 _NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
 _GATHERS = ("all_gather", "all_to_all")
+_C10D = torch.ops._c10d_functional
+_INDEX_PUT = {aten.index_put_.default, aten.index_put.default}
 # the TP interpreter's words for gathering a step output (not a gradient, not the loss) whole
 _OUTPUT_REASON = re.compile(r"CP: redistribute output \d+ to its placement")
 
@@ -224,7 +226,8 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
     shards = zigzag_shards(mesh) if balanced else contextlib.nullcontext()
     try:
         with fx_traceback.preserve_node_meta(), torch.no_grad(), shards:
-            traced = make_fx(runner.run, tracing_mode="fake")(*examples)
+            # (constants of a graph the TP pass traced are real tensors: kept as constants)
+            traced = make_fx(runner.run, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
     except TensorParallelError as exc:
         raise ContextParallelError(_cp_words(str(exc))) from exc
     except ContextParallelError:
@@ -360,6 +363,7 @@ class _Runner:
         return ChainMap(fixed, env) if fixed else env
 
     def _call(self, node: fx.Node, env):
+        self.env_of = env.get  # the values _alike reads
         if node.target not in (ATTENTION, ATTENTION_BACKWARD):  # the ring takes the mask whole
             env = self._split_data(node, env)
         if node.target is ATTENTION:
@@ -375,6 +379,16 @@ class _Runner:
         local = self._strided_pointwise(node, env)
         if local is not None:
             return local
+        if str(node.target).startswith(_COLLECTIVE_PREFIX) and isinstance(env.get(node.args[0]), DTensor):
+            return self._tp_collective(node, env)
+        if node.target is aten.gather.default and _token_split(env.get(node.args[0])):
+            out = self._gather_local(node, env)
+            if out is not None:
+                return out
+        if node.target in _INDEX_PUT:
+            out = self._index_put_partial(node, env) if _accumulates(node) else self._index_put_local(node, env)
+            if out is not None:
+                return out
         _refuse_mean_loss(node, env, self.mesh.size())
         return self._tp_call(node, env)
 
@@ -387,27 +401,140 @@ class _Runner:
             return None
         values = [env[a] for a in node.all_input_nodes]
         cuts = [v for v in values if isinstance(v, DTensor) and type(v.placements[0]) is _StridedShard]
-        if not cuts or any(list(c.placements) != list(cuts[0].placements) or c.shape != cuts[0].shape
-                           for c in cuts):
+        val = node.meta.get("val")
+        if not cuts or not isinstance(val, torch.Tensor):
             return None
-        want, shape = list(cuts[0].placements), cuts[0].shape
+        want, dim = list(cuts[0].placements), cuts[0].placements[0].dim
+        # every split operand split alike, on the output's dim (broadcast along other dims)
+        if any(list(c.placements) != want or c.ndim != val.ndim or c.shape[dim] != val.shape[dim] for c in cuts):
+            return None
         local = {}
         for arg, v in zip(node.all_input_nodes, values):
             if not isinstance(v, DTensor) or list(v.placements) == want:
                 local[arg] = v.to_local() if isinstance(v, DTensor) else v
-            elif v.ndim == 0 and list(v.placements) == [Replicate()]:
+            elif list(v.placements) != [Replicate()]:
+                return None
+            elif v.ndim < val.ndim - dim or v.shape[dim - val.ndim] == 1:  # broadcast along the tokens
                 local[arg] = v.to_local()
-            elif v.shape == shape and list(v.placements) == [Replicate()]:
+            elif v.shape == val.shape:
                 with _why(f"CP: this rank's tokens of {arg} (a local slice)"):
                     local[arg] = v.redistribute(self.mesh, want).to_local()
             else:
                 return None
         out = node.target(*fx.node.map_arg(node.args, local.__getitem__),
                           **fx.node.map_arg(node.kwargs, local.__getitem__))
-        val = node.meta.get("val")
-        if not isinstance(out, torch.Tensor) or not isinstance(val, torch.Tensor) or val.shape != shape:
+        if not isinstance(out, torch.Tensor):
             return None
         return DTensor.from_local(out, self.mesh, want, run_check=False, shape=val.shape, stride=val.stride())
+
+    def _tp_collective(self, node: fx.Node, env):
+        """A collective the TP pass put in the graph (over the TP ranks, which hold the same
+        positions) on a value placed over cp: the rank's part, placed as its input is. Each TP
+        rank's part is its CP rank's: element-wise across the TP ranks, so an all-reduce or a
+        wait keeps the cp placement, a partial sum stays one (a sum; another reduction, or
+        a gather / scatter along a sequence-split dim 0, takes the value whole first)."""
+        x = env[node.args[0]]
+        p = x.placements[0]
+        reduce_op = node.args[1] if node.target is _C10D.all_reduce.default else "sum"
+        on_tokens = node.target is not _C10D.all_reduce.default and node.target is not _C10D.wait_tensor.default \
+            and getattr(p, "dim", None) == 0 and not p.is_partial()
+        if (p.is_partial() and reduce_op != "sum") or on_tokens:
+            with _why(f"CP: {node.args[0]} whole for the TP collective {node}"):
+                x = x.redistribute(self.mesh, [Replicate()])
+        args = [x.to_local(), *(env[a] if isinstance(a, fx.Node) else a for a in node.args[1:])]
+        out = node.target(*args, **node.kwargs)
+        val = node.meta["val"]
+        return DTensor.from_local(out, self.mesh, list(x.placements), run_check=False, shape=val.shape,
+                                  stride=val.stride())
+
+    def _gather_local(self, node: fx.Node, env):
+        """``torch.gather(x, d, index)`` along a dim other than ``x``'s split one (a
+        vocabulary-parallel loss reading each token's label logit), ``index`` a value of the
+        data: on the rank's tokens, the index sliced alike. None otherwise (DTensor's rule)."""
+        x, dim, index = env[node.args[0]], node.args[1], node.args[2]
+        p = x.placements[0]
+        if dim % x.ndim == p.dim or not isinstance(index, fx.Node) or index.name not in self.data:
+            return None
+        value = env.get(index)
+        if not isinstance(value, DTensor) or value.ndim != x.ndim or value.shape[p.dim] != x.shape[p.dim]:
+            return None
+        if list(value.placements) == [Replicate()]:
+            with _why(f"CP: this rank's tokens of {index} (a local slice)"):
+                value = value.redistribute(self.mesh, list(x.placements))
+        if value.placements != x.placements:
+            return None
+        out = aten.gather.default(x.to_local(), dim, value.to_local(), *node.args[3:])
+        val = node.meta["val"]
+        return DTensor.from_local(out, self.mesh, list(x.placements), run_check=False, shape=val.shape,
+                                  stride=val.stride())
+
+    def _index_put_local(self, node: fx.Node, env):
+        """``base[indices] = values`` on a sequence-split ``base`` whose indices are masks or
+        ids over its leading (token) dims (a vocabulary-parallel embedding zeroing the ids
+        outside its TP shard): on the rank's tokens, indices sliced alike, a scalar value as it
+        is. None where the operands do not fit (DTensor's rule)."""
+        base, values = env[node.args[0]], env[node.args[2]]
+        if not _token_split(base):
+            return None
+        local_indices = self._alike(node.args[1], base)
+        if local_indices is None:
+            return None
+        if isinstance(values, DTensor) and values.ndim > 0:  # one value per indexed token
+            local_values = self._alike([node.args[2]], base, indexing=False)
+            if local_values is None or node.args[2].name not in self.data:
+                return None
+            local_values = local_values[0]
+        else:
+            local_values = values.to_local() if isinstance(values, DTensor) else values
+        out = node.target(base.to_local(), local_indices, local_values, False)
+        if node.target is aten.index_put_.default:
+            return base  # its local tensor written in place, as the graph's in-place op
+        return DTensor.from_local(out, self.mesh, list(base.placements), run_check=False, shape=base.shape,
+                                  stride=base.stride())
+
+    def _alike(self, indices, like: DTensor, indexing: bool = True) -> list | None:
+        """Index tensors over ``like``'s leading dims (``indexing``; else values, one per
+        token) as ``like``'s local part: a whole value of the data sliced as ``like`` is (a
+        local slice); None where one is neither."""
+        out = []
+        split_dim = like.placements[0].dim if indexing else -1
+        for dim, index in enumerate(indices):
+            if dim == split_dim and isinstance(index, fx.Node) and _positions(index, like.shape[dim]):
+                # arange over the split dim (a loss's row of each token): the local rows
+                out.append(torch.arange(like.to_local().shape[dim]))
+                continue
+            if dim == split_dim and isinstance(index, fx.Node) and index.meta["val"].dtype != torch.bool:
+                return None  # positions into the split dim: not the rank's
+            value = self._split.get((index, tuple(like.placements)), None) if isinstance(index, fx.Node) else None
+            value = value if value is not None else (self.env_of(index) if isinstance(index, fx.Node) else index)
+            if isinstance(value, DTensor) and list(value.placements) == [Replicate()] and index.name in self.data \
+                    and value.shape == like.shape[:value.ndim]:
+                with _why(f"CP: this rank's tokens of {index} (a local slice)"):
+                    value = value.redistribute(self.mesh, list(like.placements))
+                self._split[(index, tuple(like.placements))] = value
+            if not isinstance(value, DTensor) or value.placements != like.placements \
+                    or value.shape != like.shape[:value.ndim]:
+                return None
+            out.append(value.to_local())
+        return out
+
+    def _index_put_partial(self, node: fx.Node, env):
+        """``index_put(base, indices, values, accumulate=True)`` with indices and values split
+        alike over cp (a vocabulary-parallel embedding's backward under TP): each rank adds its
+        tokens' values, onto ``base`` on CP rank 0 and onto zeros elsewhere, a partial sum over
+        cp. None where the operands do not fit (DTensor's rule)."""
+        base, indices, values = env[node.args[0]], node.args[1], env[node.args[2]]
+        if not isinstance(base, DTensor) or list(base.placements) != [Replicate()] or not _token_split(values) \
+                or len(node.args[0].users) != 1:
+            return None
+        local_indices = self._alike(indices, values)
+        if local_indices is None:
+            return None
+        whole = base.to_local()
+        start = whole.clone() if self.mesh.get_local_rank() == 0 else torch.zeros_like(whole)
+        out = aten.index_put.default(start, local_indices, values.to_local(), True)
+        return DTensor.from_local(out, self.mesh, [Partial()], run_check=False, shape=base.shape,
+                                  stride=base.stride())
 
     def _full_sum(self, node: fx.Node, env):
         """The sum of every element of a sequence-split value (a label-smoothed loss's token
@@ -569,6 +696,19 @@ def _token_sharded(x) -> bool:
     if d is None or p.is_replicate() or p.is_partial():
         return False
     return d == 0 or (d >= 2 and type(p) is Shard)
+
+
+def _positions(node: fx.Node, size: int) -> bool:
+    """``node`` is ``arange(size)`` (every position of a dim, in order)."""
+    if node.target not in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        return False
+    ends = [a for a in node.args if isinstance(a, int)]
+    return ends in ([size], [0, size], [0, size, 1])
+
+
+def _accumulates(node: fx.Node) -> bool:
+    """An index_put that adds its values (accumulate=True)."""
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
 
 
 def _token_split(x) -> bool:
