@@ -21,14 +21,16 @@ run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
 stages (passes/pipeline_split.py; each node on the stage of the captured node it
 comes from, as the cost model priced it) and the stage's graphs run under
 torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B, zero-bubble);
-the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP and recompute)
-runs on a ("dp", "cp", "tp") mesh: after TP's place, the context-parallel pass
-(passes/context_parallel.py) splits every sequence over "cp" and runs attention as ring
-attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Expert parallelism
+the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP, ZeRO,
+TP without SP and recompute) runs on a ("dp", "cp", "tp") mesh: after TP's place, the
+context-parallel pass (passes/context_parallel.py) splits every sequence over "cp" and runs
+attention as ring attention on the rank's TP heads, leaving partial gradients that the DP pass
+reduces over the dp x cp ranks; the parameters live on the ("dp", "tp") mesh, replicated over
+cp, or under ZeRO sharded over the dp x cp ranks (`runtime.mesh.dp_cp_mesh`). Expert parallelism
 (ep > 1, with DP and ZeRO) groups every list of alike experts at capture and the expert-parallel
 pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
 consecutive dp ranks, with all-to-alls; the experts' parameters stay whole on every rank. Any
-other decision (ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, ep with TP,
+other decision (ZeRO-2/3 inside a pipeline, cp with SP, pipelines or FP8, ep with TP,
 pipelines, cp or FP8, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
@@ -302,7 +304,7 @@ def _executable(layout: Layout, precision: str) -> None:
         raise UnsupportedLayoutError(
             f"layout {layout.short()}: autopar.parallelize does not execute "
             + "; ".join(missing) + " yet. Drop what is named (each says what runs today: DP, ZeRO, "
-            "TP+SP, pipelines with ZeRO 0/1, cp and ep with DP, any recompute, the model's "
+            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO and TP, ep with DP, any recompute, the model's "
             "precision), or use the plan for its predictions")
 
 
