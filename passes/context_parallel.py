@@ -363,7 +363,6 @@ class _Runner:
         return ChainMap(fixed, env) if fixed else env
 
     def _call(self, node: fx.Node, env):
-        self.env_of = env.get  # the values _alike reads
         if node.target not in (ATTENTION, ATTENTION_BACKWARD):  # the ring takes the mask whole
             env = self._split_data(node, env)
         if node.target is ATTENTION:
@@ -476,11 +475,11 @@ class _Runner:
         base, values = env[node.args[0]], env[node.args[2]]
         if not _token_split(base):
             return None
-        local_indices = self._alike(node.args[1], base)
+        local_indices = self._alike(node.args[1], base, env)
         if local_indices is None:
             return None
         if isinstance(values, DTensor) and values.ndim > 0:  # one value per indexed token
-            local_values = self._alike([node.args[2]], base, indexing=False)
+            local_values = self._alike([node.args[2]], base, env, indexing=False)
             if local_values is None or node.args[2].name not in self.data:
                 return None
             local_values = local_values[0]
@@ -492,7 +491,7 @@ class _Runner:
         return DTensor.from_local(out, self.mesh, list(base.placements), run_check=False, shape=base.shape,
                                   stride=base.stride())
 
-    def _alike(self, indices, like: DTensor, indexing: bool = True) -> list | None:
+    def _alike(self, indices, like: DTensor, env, indexing: bool = True) -> list | None:
         """Index tensors over ``like``'s leading dims (``indexing``; else values, one per
         token) as ``like``'s local part: a whole value of the data sliced as ``like`` is (a
         local slice); None where one is neither."""
@@ -506,7 +505,7 @@ class _Runner:
             if dim == split_dim and isinstance(index, fx.Node) and index.meta["val"].dtype != torch.bool:
                 return None  # positions into the split dim: not the rank's
             value = self._split.get((index, tuple(like.placements)), None) if isinstance(index, fx.Node) else None
-            value = value if value is not None else (self.env_of(index) if isinstance(index, fx.Node) else index)
+            value = value if value is not None else (env.get(index) if isinstance(index, fx.Node) else index)
             if isinstance(value, DTensor) and list(value.placements) == [Replicate()] and index.name in self.data \
                     and value.shape == like.shape[:value.ndim]:
                 with _why(f"CP: this rank's tokens of {index} (a local slice)"):
@@ -527,7 +526,7 @@ class _Runner:
         if not isinstance(base, DTensor) or list(base.placements) != [Replicate()] or not _token_split(values) \
                 or len(node.args[0].users) != 1:
             return None
-        local_indices = self._alike(indices, values)
+        local_indices = self._alike(indices, values, env)
         if local_indices is None:
             return None
         whole = base.to_local()
