@@ -30,6 +30,14 @@ log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per bl
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
 
+After the TP pass the graph is one TP rank's (its heads, its vocabulary shard, TP's
+collectives over ranks holding the same positions): those collectives run on the rank's tokens
+with their cp placement, and the ring runs on the rank's heads. Tokens flattened from
+[batch, seq] are a `_StridedShard` over cp, which DTensor's element-wise, ``gather`` and
+``index_put`` rules do not take: the pass runs those ops on the rank's tokens itself, values of
+the data of the same shape sliced alike. Under `autopar.parallelize` the gradients leave as
+partial sums (``reduce_grads=False``) and the data-parallel pass reduces them over dp x cp.
+
 Cross-entropy's mean over tokens (nll_loss over [tokens, C], nll_loss2d over [N, C, d1, ...]:
 every dim but the class dim 1 is tokens) is computed as sum_r sum_{t in r} -w_t log p_t /
 sum_r sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means,
