@@ -143,14 +143,15 @@ def _compose_worker(rank: int, world: int, layouts: list[dict], only: tuple[str,
 
 
 def test_cp2_zero():
-    """cp=2 with ZeRO-1 and ZeRO-3 on 2 ranks (one spawn): tiny-llama and the GQA model's
-    mean under ZeRO-1, its label-smoothed loss and tiny-llama under ZeRO-3."""
+    """cp=2 with ZeRO-1 and ZeRO-3 on 2 ranks (one spawn): the GQA model's mean under ZeRO-1,
+    its label-smoothed loss and tiny-llama under ZeRO-3 (tiny-llama under ZeRO-1: the 4-rank
+    slow test)."""
     results = spawn(_cp2_zero_work, 2, timeout_s=600)
     assert all(r == [] for r in results), [r for r in results if r]
 
 
 def _cp2_zero_work(rank: int, world: int) -> list[tuple]:
-    return (_compose_worker(rank, world, [{"cp": 2, "zero": 1}], ("tiny-llama", "gqa-lm/mean"))
+    return (_compose_worker(rank, world, [{"cp": 2, "zero": 1}], ("gqa-lm/mean",))
             + _compose_worker(rank, world, [{"cp": 2, "zero": 3}], ("tiny-llama", "gqa-lm/smooth")))
 
 
