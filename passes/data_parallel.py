@@ -110,6 +110,7 @@ def apply_data_parallel(
                              f"ranks but its dim 0 does not divide by {n}")
     graph = gm.graph
     nodes = {node.name: node for node in graph.nodes}
+    before = set(graph.nodes)
     output = next(node for node in graph.nodes if node.op == "output")
     sharded = set(plan.sharded)
     accumulated = _accumulator_inputs(graph, grads, loss_index, output) if sync == "accumulated" else {}
@@ -136,6 +137,7 @@ def apply_data_parallel(
         nodes[params[name]].meta["autopar"] = f"ZeRO-{zero}: rank's rows of {name}"
 
     if sync == "none":  # a micro-batch before the last: gradients and loss stay local
+        _name_group(graph, before, partial, n)
         graph.lint()
         gm.recompile()
         return
@@ -170,8 +172,19 @@ def apply_data_parallel(
         )
         outs[loss_index] = graph.call_function(torch.ops.aten.div.Tensor, (loss, n))
     output.args = (tuple(outs),)
+    _name_group(graph, before, partial, n)
     graph.lint()
     gm.recompile()
+
+
+def _name_group(graph: fx.Graph, before: set, partial: int, n: int) -> None:
+    """Under cp (``partial`` > 1) the collectives this pass inserted say their group: the
+    dp x cp ranks."""
+    if partial == 1:
+        return
+    for node in graph.nodes:
+        if node not in before and "autopar" in node.meta and "c10d" in str(node.target):
+            node.meta["autopar"] += f" (over the {n} dp x cp ranks)"
 
 
 def _accumulator_inputs(graph: fx.Graph, grads: dict[str, int], loss_index: int,

@@ -92,6 +92,9 @@ def test_partial_gradients_and_the_dp_x_cp_seed():
     seeds = [n for n in partial.gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor
              and "seed gradient" in n.meta.get("autopar", "")]
     assert [n.args[1] for n in seeds] == [0.5]
+    reasons = [n.meta["autopar"] for n in partial.gm.graph.nodes
+               if "c10d" in str(n.target) and "DP:" in n.meta.get("autopar", "")]
+    assert reasons and all("over the 4 dp x cp ranks" in r for r in reasons)
     with pytest.raises(ValueError, match="partial=3 must divide"):
         apply_data_parallel(graph.gm, sig, shapes, DataParallelPlan(zero=0, sharded=frozenset()),
                             AxisGroup("fake", 4, 0), partial=3)
