@@ -8,12 +8,11 @@ test_cp_compose_parity.py."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
+from cp_models import GqaLM, gqa_batch
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import models
@@ -28,9 +27,6 @@ from runtime import ring_attention  # noqa: F401  (registers the ring ops)
 from runtime.mesh import fake_world
 from vocab.layout import Layout, unsupported_decisions
 from vocab.plan_types import AxisGroup, AxisPlacement, DataParallelPlan, TensorParallelPlan
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from test_cp_compose_parity import GqaLM, gqa_batch  # noqa: E402
 
 
 def _model(name: str):
