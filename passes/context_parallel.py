@@ -30,6 +30,14 @@ log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per bl
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
 
+After the TP pass the graph is one TP rank's (its heads, its vocabulary shard, TP's
+collectives over ranks holding the same positions): those collectives run on the rank's tokens
+with their cp placement, and the ring runs on the rank's heads. Tokens flattened from
+[batch, seq] are a `_StridedShard` over cp, which DTensor's element-wise, ``gather`` and
+``index_put`` rules do not take: the pass runs those ops on the rank's tokens itself, values of
+the data of the same shape sliced alike. Under `autopar.parallelize` the gradients leave as
+partial sums (``reduce_grads=False``) and the data-parallel pass reduces them over dp x cp.
+
 Cross-entropy's mean over tokens (nll_loss over [tokens, C], nll_loss2d over [N, C, d1, ...]:
 every dim but the class dim 1 is tokens) is computed as sum_r sum_{t in r} -w_t log p_t /
 sum_r sum_{t in r} w_t (both all-reduced): DTensor's own rule averages the ranks' local means,
@@ -50,6 +58,7 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -81,6 +90,8 @@ _NLL_SUM = 2
 _NLL_FORWARD = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default}
 _NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
 _GATHERS = ("all_gather", "all_to_all")
+_C10D = torch.ops._c10d_functional
+_INDEX_PUT = {aten.index_put_.default, aten.index_put.default}
 # the TP interpreter's words for gathering a step output (not a gradient, not the loss) whole
 _OUTPUT_REASON = re.compile(r"CP: redistribute output \d+ to its placement")
 
@@ -198,25 +209,33 @@ def _where(node: fx.Node) -> str:
 
 def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
                            shapes: Sequence[tuple[int, ...]], mesh: DeviceMesh,
-                           balanced: bool = True) -> ContextParallelGraph:
+                           balanced: bool = True, reduce_grads: bool = True) -> ContextParallelGraph:
     """Trace ``gm`` (the dp-local step, whole sequences) into the graph one rank of the 1-D cp
     ``mesh`` runs. Placeholders and outputs keep their order and shapes (inputs whole: each
     rank slices its positions in the graph); gradients and the loss leave whole (all-reduced
     over cp), returned outputs whole in position order. ``balanced``: rank r holds sequence
-    chunks r and 2cp-1-r of 2cp (`passes.cp_balance`), else the r-th contiguous block."""
+    chunks r and 2cp-1-r of 2cp (`passes.cp_balance`), else the r-th contiguous block.
+
+    ``reduce_grads=False`` leaves each gradient as this rank's partial sum g_r, with
+    sum_r g_r = g (the sum over its positions; a gradient not split over the sequence whole
+    on CP rank 0 and 0 on the others, so the sum stays exact): the data-parallel pass then
+    reduces over the dp x cp ranks at once, as ZeRO sharding over dp x cp needs (Megatron's
+    dp-cp group)."""
     check_context_parallel(gm, signature, shapes, mesh.size(), balanced)
     _register_cpu_attention()
     grad_outputs = {i: n for n, i in signature.grad_index.items()}
     ids = shapes[sequence_inputs(signature, shapes)[0]]
+    grad_placement = Replicate() if reduce_grads else Partial()
     interp = _Interpreter(gm, mesh, [Replicate()] * len(shapes), shapes, False, (ids[0], ids[1]),
-                          grad_outputs, {i: Replicate() for i in grad_outputs}, signature.loss_index)
+                          grad_outputs, {i: grad_placement for i in grad_outputs}, signature.loss_index)
     runner = _Runner(interp, data_only(gm, signature), (ids[0], ids[1]), balanced)
     dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
     shards = zigzag_shards(mesh) if balanced else contextlib.nullcontext()
     try:
         with fx_traceback.preserve_node_meta(), torch.no_grad(), shards:
-            traced = make_fx(runner.run, tracing_mode="fake")(*examples)
+            # (constants of a graph the TP pass traced are real tensors: kept as constants)
+            traced = make_fx(runner.run, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
     except TensorParallelError as exc:
         raise ContextParallelError(_cp_words(str(exc))) from exc
     except ContextParallelError:
@@ -262,7 +281,7 @@ class _Runner:
         self.rings = 0
         self._tp_call = interp._call
         interp._call = self._call
-        self._split: dict[fx.Node, DTensor] = {}
+        self._split: dict = {}  # node, or (node, placements): its rank-local slice
 
     def run(self, *args):
         holders = [n for n in self.interp.gm.graph.nodes if n.op == "placeholder"]
@@ -288,7 +307,27 @@ class _Runner:
                 with _why(f"CP: this rank's block of the sequence of {arg} (a local slice)"):
                     self._split[arg] = value.redistribute(self.mesh, [Shard(1)])
             split[arg] = self._split[arg]
+        self._split_alike(node, env, split)
         return ChainMap(split, env) if split else env
+
+    def _split_alike(self, node: fx.Node, env, split: dict) -> None:
+        """Data-only operands of ``node`` of the same shape as a sequence-split operand (a
+        token mask flattened like the tokens: a label-smoothed loss's ignore mask) enter split
+        as it is (a local slice); DTensor would gather the split operand instead where the
+        placement is a `_StridedShard`."""
+        values = {a: split.get(a, env.get(a)) for a in node.all_input_nodes}
+        cut = next((v for a, v in values.items() if a.name not in self.data and _token_split(v)), None)
+        if cut is None:
+            return
+        for arg, value in values.items():
+            if arg.name not in self.data or not isinstance(value, DTensor) or arg in split \
+                    or list(value.placements) != [Replicate()] or value.shape != cut.shape:
+                continue
+            key = (arg, tuple(cut.placements))
+            if key not in self._split:
+                with _why(f"CP: this rank's tokens of {arg} (a local slice)"):
+                    self._split[key] = value.redistribute(self.mesh, list(cut.placements))
+            split[arg] = self._split[key]
 
     def _run(self, env):
         for node in self.interp.gm.graph.nodes:
@@ -308,8 +347,28 @@ class _Runner:
             elif node.op == "get_attr":
                 env[node] = _tree_wrap(getattr(self.interp.gm, node.target), self.mesh)
             elif node.op == "output":
-                return self.interp._outputs(node, env)
+                return self.interp._outputs(node, self._partial_grads(node, env))
         raise AssertionError("graph without output")
+
+    def _partial_grads(self, node: fx.Node, env):
+        """Where the gradients leave unreduced (``Partial`` wanted): a gradient not already a
+        partial sum over cp (replicated, or split over the sequence: gathered whole) as the
+        whole value on CP rank 0 and zeros on the others, so that the sum over cp is exact."""
+        wanted = self.interp.grad_placements
+        fixed = {}
+        for index, arg in enumerate(node.args[0]):
+            value = env.get(arg) if isinstance(arg, fx.Node) else None
+            if not isinstance(value, DTensor) or wanted.get(index) != Partial() \
+                    or list(value.placements) == [Partial()] or arg in fixed:
+                continue
+            if list(value.placements) != [Replicate()]:
+                with _why(f"CP: gather the gradient {arg} whole (kept on CP rank 0, reduced over dp x cp)"):
+                    value = value.redistribute(self.mesh, [Replicate()])
+            whole = value.to_local()
+            local = whole if self.mesh.get_local_rank() == 0 else torch.zeros_like(whole)
+            fixed[arg] = DTensor.from_local(local, self.mesh, [Partial()], run_check=False,
+                                            shape=value.shape, stride=value.stride())
+        return ChainMap(fixed, env) if fixed else env
 
     def _call(self, node: fx.Node, env):
         if node.target not in (ATTENTION, ATTENTION_BACKWARD):  # the ring takes the mask whole
@@ -322,8 +381,177 @@ class _Runner:
             return self._nll_forward(node, env)
         if node.target in _NLL_BACKWARD and isinstance(env[node.args[1]], DTensor):
             return self._nll_backward(node, env)
+        if node.target is aten.sum.default and _token_split(env.get(node.args[0])):
+            return self._full_sum(node, env)
+        local = self._strided_pointwise(node, env)
+        if local is not None:
+            return local
+        if str(node.target).startswith(_COLLECTIVE_PREFIX) and isinstance(env.get(node.args[0]), DTensor):
+            return self._tp_collective(node, env)
+        if node.target is aten.gather.default and _token_split(env.get(node.args[0])):
+            out = self._gather_local(node, env)
+            if out is not None:
+                return out
+        if node.target in _INDEX_PUT:
+            out = self._index_put_partial(node, env) if _accumulates(node) else self._index_put_local(node, env)
+            if out is not None:
+                return out
         _refuse_mean_loss(node, env, self.mesh.size())
         return self._tp_call(node, env)
+
+    def _strided_pointwise(self, node: fx.Node, env):
+        """An element-wise op on tokens flattened from [b, s] (a `_StridedShard` over cp, which
+        DTensor's element-wise rules do not take: it would gather them): run on the rank's
+        tokens, its other operands of the same shape sliced alike (a local slice of a whole
+        value), scalars as they are. None where the operands do not fit that (DTensor's rule)."""
+        if torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+            return None
+        values = [env[a] for a in node.all_input_nodes]
+        cuts = [v for v in values if isinstance(v, DTensor) and type(v.placements[0]) is _StridedShard]
+        val = node.meta.get("val")
+        if not cuts or not isinstance(val, torch.Tensor):
+            return None
+        want, dim = list(cuts[0].placements), cuts[0].placements[0].dim
+        # every split operand split alike, on the output's dim (broadcast along other dims)
+        if any(list(c.placements) != want or c.ndim != val.ndim or c.shape[dim] != val.shape[dim] for c in cuts):
+            return None
+        local = {}
+        for arg, v in zip(node.all_input_nodes, values):
+            if not isinstance(v, DTensor) or list(v.placements) == want:
+                local[arg] = v.to_local() if isinstance(v, DTensor) else v
+            elif list(v.placements) != [Replicate()]:
+                return None
+            elif v.ndim < val.ndim - dim or v.shape[dim - val.ndim] == 1:  # broadcast along the tokens
+                local[arg] = v.to_local()
+            elif v.shape == val.shape:
+                with _why(f"CP: this rank's tokens of {arg} (a local slice)"):
+                    local[arg] = v.redistribute(self.mesh, want).to_local()
+            else:
+                return None
+        out = node.target(*fx.node.map_arg(node.args, local.__getitem__),
+                          **fx.node.map_arg(node.kwargs, local.__getitem__))
+        if not isinstance(out, torch.Tensor):
+            return None
+        return DTensor.from_local(out, self.mesh, want, run_check=False, shape=val.shape, stride=val.stride())
+
+    def _tp_collective(self, node: fx.Node, env):
+        """A collective the TP pass put in the graph (over the TP ranks, which hold the same
+        positions) on a value placed over cp: the rank's part, placed as its input is. Each TP
+        rank's part is its CP rank's: element-wise across the TP ranks, so an all-reduce or a
+        wait keeps the cp placement, a partial sum stays one (a sum; another reduction, or
+        a gather / scatter along a sequence-split dim 0, takes the value whole first)."""
+        x = env[node.args[0]]
+        p = x.placements[0]
+        reduce_op = node.args[1] if node.target is _C10D.all_reduce.default else "sum"
+        on_tokens = node.target is not _C10D.all_reduce.default and node.target is not _C10D.wait_tensor.default \
+            and getattr(p, "dim", None) == 0 and not p.is_partial()
+        if (p.is_partial() and reduce_op != "sum") or on_tokens:
+            with _why(f"CP: {node.args[0]} whole for the TP collective {node}"):
+                x = x.redistribute(self.mesh, [Replicate()])
+        args = [x.to_local(), *(env[a] if isinstance(a, fx.Node) else a for a in node.args[1:])]
+        out = node.target(*args, **node.kwargs)
+        val = node.meta["val"]
+        return DTensor.from_local(out, self.mesh, list(x.placements), run_check=False, shape=val.shape,
+                                  stride=val.stride())
+
+    def _gather_local(self, node: fx.Node, env):
+        """``torch.gather(x, d, index)`` along a dim other than ``x``'s split one (a
+        vocabulary-parallel loss reading each token's label logit), ``index`` a value of the
+        data: on the rank's tokens, the index sliced alike. None otherwise (DTensor's rule)."""
+        x, dim, index = env[node.args[0]], node.args[1], node.args[2]
+        p = x.placements[0]
+        if dim % x.ndim == p.dim or not isinstance(index, fx.Node) or index.name not in self.data:
+            return None
+        value = env.get(index)
+        if not isinstance(value, DTensor) or value.ndim != x.ndim or value.shape[p.dim] != x.shape[p.dim]:
+            return None
+        if list(value.placements) == [Replicate()]:
+            with _why(f"CP: this rank's tokens of {index} (a local slice)"):
+                value = value.redistribute(self.mesh, list(x.placements))
+        if value.placements != x.placements:
+            return None
+        out = aten.gather.default(x.to_local(), dim, value.to_local(), *node.args[3:])
+        val = node.meta["val"]
+        return DTensor.from_local(out, self.mesh, list(x.placements), run_check=False, shape=val.shape,
+                                  stride=val.stride())
+
+    def _index_put_local(self, node: fx.Node, env):
+        """``base[indices] = values`` on a sequence-split ``base`` whose indices are masks or
+        ids over its leading (token) dims (a vocabulary-parallel embedding zeroing the ids
+        outside its TP shard): on the rank's tokens, indices sliced alike, a scalar value as it
+        is. None where the operands do not fit (DTensor's rule)."""
+        base, values = env[node.args[0]], env[node.args[2]]
+        if not _token_split(base):
+            return None
+        local_indices = self._alike(node.args[1], base, env)
+        if local_indices is None:
+            return None
+        if isinstance(values, DTensor) and values.ndim > 0:  # one value per indexed token
+            local_values = self._alike([node.args[2]], base, env, indexing=False)
+            if local_values is None or node.args[2].name not in self.data:
+                return None
+            local_values = local_values[0]
+        else:
+            local_values = values.to_local() if isinstance(values, DTensor) else values
+        out = node.target(base.to_local(), local_indices, local_values, False)
+        if node.target is aten.index_put_.default:
+            return base  # its local tensor written in place, as the graph's in-place op
+        return DTensor.from_local(out, self.mesh, list(base.placements), run_check=False, shape=base.shape,
+                                  stride=base.stride())
+
+    def _alike(self, indices, like: DTensor, env, indexing: bool = True) -> list | None:
+        """Index tensors over ``like``'s leading dims (``indexing``; else values, one per
+        token) as ``like``'s local part: a whole value of the data sliced as ``like`` is (a
+        local slice); None where one is neither."""
+        out = []
+        split_dim = like.placements[0].dim if indexing else -1
+        for dim, index in enumerate(indices):
+            if dim == split_dim and isinstance(index, fx.Node) and _positions(index, like.shape[dim]):
+                # arange over the split dim (a loss's row of each token): the local rows
+                out.append(torch.arange(like.to_local().shape[dim]))
+                continue
+            if dim == split_dim and isinstance(index, fx.Node) and index.meta["val"].dtype != torch.bool:
+                return None  # positions into the split dim: not the rank's
+            value = self._split.get((index, tuple(like.placements)), None) if isinstance(index, fx.Node) else None
+            value = value if value is not None else (env.get(index) if isinstance(index, fx.Node) else index)
+            if isinstance(value, DTensor) and list(value.placements) == [Replicate()] and index.name in self.data \
+                    and value.shape == like.shape[:value.ndim]:
+                with _why(f"CP: this rank's tokens of {index} (a local slice)"):
+                    value = value.redistribute(self.mesh, list(like.placements))
+                self._split[(index, tuple(like.placements))] = value
+            if not isinstance(value, DTensor) or value.placements != like.placements \
+                    or value.shape != like.shape[:value.ndim]:
+                return None
+            out.append(value.to_local())
+        return out
+
+    def _index_put_partial(self, node: fx.Node, env):
+        """``index_put(base, indices, values, accumulate=True)`` with indices and values split
+        alike over cp (a vocabulary-parallel embedding's backward under TP): each rank adds its
+        tokens' values, onto ``base`` on CP rank 0 and onto zeros elsewhere, a partial sum over
+        cp. None where the operands do not fit (DTensor's rule)."""
+        base, indices, values = env[node.args[0]], node.args[1], env[node.args[2]]
+        if not isinstance(base, DTensor) or list(base.placements) != [Replicate()] or not _token_split(values) \
+                or len(node.args[0].users) != 1:
+            return None
+        local_indices = self._alike(indices, values, env)
+        if local_indices is None:
+            return None
+        whole = base.to_local()
+        start = whole.clone() if self.mesh.get_local_rank() == 0 else torch.zeros_like(whole)
+        out = aten.index_put.default(start, local_indices, values.to_local(), True)
+        return DTensor.from_local(out, self.mesh, [Partial()], run_check=False, shape=base.shape,
+                                  stride=base.stride())
+
+    def _full_sum(self, node: fx.Node, env):
+        """The sum of every element of a sequence-split value (a label-smoothed loss's token
+        sum; DTensor has no rule for tokens flattened from [b, s], a `_StridedShard`): the
+        rank's local sum, a partial sum over cp."""
+        x = env[node.args[0]]
+        dtype = node.kwargs.get("dtype")
+        local = x.to_local().sum(dtype=dtype) if dtype is not None else x.to_local().sum()
+        return DTensor.from_local(local, self.mesh, [Partial()], run_check=False, shape=torch.Size([]),
+                                  stride=())
 
     def _sequence(self, x, arg: fx.Node, dim: int, op: fx.Node) -> torch.Tensor:
         """``x`` split on ``dim`` (the sequence), as this rank's local block."""
@@ -475,6 +703,27 @@ def _token_sharded(x) -> bool:
     if d is None or p.is_replicate() or p.is_partial():
         return False
     return d == 0 or (d >= 2 and type(p) is Shard)
+
+
+def _positions(node: fx.Node, size: int) -> bool:
+    """``node`` is ``arange(size)`` (every position of a dim, in order)."""
+    if node.target not in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        return False
+    ends = [a for a in node.args if isinstance(a, int)]
+    return ends in ([size], [0, size], [0, size, 1])
+
+
+def _accumulates(node: fx.Node) -> bool:
+    """An index_put that adds its values (accumulate=True)."""
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+
+
+def _token_split(x) -> bool:
+    """``x`` is a DTensor split over cp (a `Shard` or `_StridedShard`), not whole or partial."""
+    if not isinstance(x, DTensor) or len(x.placements) != 1:
+        return False
+    p = x.placements[0]
+    return getattr(p, "dim", None) is not None and not p.is_replicate() and not p.is_partial()
 
 
 def _target_placements(x: DTensor) -> list:

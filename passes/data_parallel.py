@@ -71,6 +71,7 @@ def apply_data_parallel(
     plan: DataParallelPlan,
     group: AxisGroup,
     sync: str = "reduce",
+    partial: int = 1,
 ) -> None:
     """Rewrite ``gm`` in place for data parallelism over ``group`` (the "dp" mesh axis).
 
@@ -88,6 +89,10 @@ def apply_data_parallel(
     graph of the first micro-batches); "accumulated" adds one input per gradient and one for
     the loss (placeholders with ``meta["accumulates"]`` = the parameter name, or `LOSS`), the
     local sums of the earlier micro-batches, before reducing (the last micro-batch's graph).
+    partial: the group's ranks come in sets of ``partial`` that share one slice of the batch
+    and hold partial sums of its gradients (context parallelism's dp x cp group: each cp
+    rank's sum over its positions, the loss whole on each): the seed is scaled by
+    partial / n (the mean over the n / partial slices), the loss averaged over all n ranks.
     """
     if sync not in ("reduce", "none", "accumulated"):
         raise ValueError(f"sync must be 'reduce', 'none' or 'accumulated', got {sync!r}")
@@ -95,6 +100,9 @@ def apply_data_parallel(
     seed = next(iter(signature.placeholder_of("tangent").values()))
     grads, loss_index = signature.grad_index, signature.loss_index
     zero, n, group_name, rank = plan.zero, group.size, group.name, group.rank
+    if partial < 1 or n % partial:
+        raise ValueError(f"partial={partial} must divide the group's {n} ranks")
+    slices = n // partial  # slices of the batch the group's gradients average over
     reduce_scatter = plan.comm.reduce_scatter
     for name in plan.sharded:
         if not shardable(shapes[name], n):
@@ -102,14 +110,16 @@ def apply_data_parallel(
                              f"ranks but its dim 0 does not divide by {n}")
     graph = gm.graph
     nodes = {node.name: node for node in graph.nodes}
+    before = set(graph.nodes)
     output = next(node for node in graph.nodes if node.op == "output")
     sharded = set(plan.sharded)
     accumulated = _accumulator_inputs(graph, grads, loss_index, output) if sync == "accumulated" else {}
 
     last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
     with graph.inserting_after(last_input):
-        scaled = _node(graph, aten.mul.Tensor, (nodes[seed], 1.0 / n),
-                       f"DP: seed gradient / {n}, so that the summed gradients are the mean")
+        scaled = _node(graph, aten.mul.Tensor, (nodes[seed], 1.0 / slices),
+                       f"DP: seed gradient / {slices}, so that the summed gradients are the mean"
+                       + (f" (the {n} ranks hold {slices} slices' partial sums over cp)" if partial > 1 else ""))
     # the backward reads the scaled seed; the reported loss's weight stays (averaged below)
     nodes[seed].replace_all_uses_with(
         scaled, delete_user_cb=lambda user: user is not scaled and not user.meta.get(WEIGHTS_LOSS))
@@ -127,6 +137,7 @@ def apply_data_parallel(
         nodes[params[name]].meta["autopar"] = f"ZeRO-{zero}: rank's rows of {name}"
 
     if sync == "none":  # a micro-batch before the last: gradients and loss stay local
+        _name_group(graph, before, partial, n)
         graph.lint()
         gm.recompile()
         return
@@ -161,8 +172,19 @@ def apply_data_parallel(
         )
         outs[loss_index] = graph.call_function(torch.ops.aten.div.Tensor, (loss, n))
     output.args = (tuple(outs),)
+    _name_group(graph, before, partial, n)
     graph.lint()
     gm.recompile()
+
+
+def _name_group(graph: fx.Graph, before: set, partial: int, n: int) -> None:
+    """Under cp (``partial`` > 1) the collectives this pass inserted say their group: the
+    dp x cp ranks."""
+    if partial == 1:
+        return
+    for node in graph.nodes:
+        if node not in before and "autopar" in node.meta and "c10d" in str(node.target):
+            node.meta["autopar"] += f" (over the {n} dp x cp ranks)"
 
 
 def _accumulator_inputs(graph: fx.Graph, grads: dict[str, int], loss_index: int,

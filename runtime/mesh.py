@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["fake_world", "init_mesh"]
+__all__ = ["dp_cp_mesh", "fake_world", "init_mesh"]
 
 
 def init_mesh(
@@ -56,6 +56,27 @@ def init_mesh(
             f"the mesh shape must equal the world size (names {names})"
         )
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+_DP_CP: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}  # id(mesh) -> (mesh, its dp x cp mesh)
+
+
+def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ("dp", "tp") mesh whose "dp" axis is the dp x cp ranks of a ("dp", "cp", "tp")
+    ``mesh`` (rank (d, c) at d * cp + c; Megatron's dp-cp group): ZeRO under context
+    parallelism shards over it, since parameters are replicated over cp and gradients are
+    summed over dp x cp. Made once per mesh (every rank must call it, in the same order: it
+    creates process groups)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != ("dp", "cp", "tp"):
+        raise ValueError(f"dp_cp_mesh needs a ('dp', 'cp', 'tp') mesh, got {names}")
+    dp, cp, tp = mesh.shape
+    # keyed by the mesh object, kept alive beside its flattening (a new process group makes a
+    # new mesh, never a stale hit)
+    if id(mesh) not in _DP_CP:
+        flat = DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp * cp, tp), mesh_dim_names=("dp", "tp"))
+        _DP_CP[id(mesh)] = (mesh, flat)
+    return _DP_CP[id(mesh)][1]
 
 
 @contextlib.contextmanager

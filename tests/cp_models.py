@@ -1,6 +1,8 @@
-"""A causal transformer of our own in plain PyTorch for the context-parallel tests: rotary
-positions made from ``arange`` inside the model, ``F.scaled_dot_product_attention(is_causal=True)``,
-labels shifted inside the model (a slice of the data), and a choice of loss."""
+"""Causal transformers of our own in plain PyTorch for the context-parallel tests: `RopeLM`
+(rotary positions made from ``arange`` inside the model, ``F.scaled_dot_product_attention(
+is_causal=True)``, labels shifted inside the model, a choice of loss) and `GqaLM` (grouped-query
+attention, RoPE from precomputed buffers, RMSNorm, SwiGLU; mean or label-smoothed
+cross-entropy)."""
 
 from __future__ import annotations
 
@@ -77,4 +79,76 @@ def rope_batch(batch: int = 4, seq: int = 16, vocab: int = 48, seed: int = 0) ->
     labels = tokens.clone()
     labels[torch.rand(batch, seq, generator=g) < 0.3] = -100
     labels[0, : seq // 2] = -100  # the first half of one sequence: one cp rank holds fewer labels
+    return tokens, labels
+
+
+class GqaBlock(nn.Module):
+    """Pre-norm block: grouped-query causal attention with RoPE, then a SwiGLU MLP."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, seq: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, hidden // heads
+        self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * self.dim, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * self.dim, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.gate = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+        inv = 10000.0 ** (-torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim)
+        ang = torch.arange(seq, dtype=torch.float32)[:, None] * inv[None, :]
+        self.register_buffer("cos", torch.cat((ang.cos(), ang.cos()), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((ang.sin(), ang.sin()), -1), persistent=False)
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+        return x * self.cos + rotated * self.sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k = self.k(h).view(b, s, self.kv_heads, self.dim).transpose(1, 2)
+        v = self.v(h).view(b, s, self.kv_heads, self.dim).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, s, -1))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class GqaLM(nn.Module):
+    """``forward(tokens, labels)`` -> loss: next-token cross-entropy (labels shifted inside,
+    -100 ignored), "mean" or "smooth" (label smoothing 0.1)."""
+
+    def __init__(self, loss: str = "mean", vocab: int = 64, hidden: int = 32, heads: int = 4,
+                 kv_heads: int = 2, layers: int = 2, seq: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.smoothing = {"mean": 0.0, "smooth": 0.1}[loss]
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(GqaBlock(hidden, heads, kv_heads, seq) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                               ignore_index=-100, label_smoothing=self.smoothing)
+
+
+def gqa_batch(batch: int = 4, seq: int = 16, vocab: int = 64, seed: int = 5):
+    """Tokens and labels, labels ignored unevenly (the first cp rank's chunk holds fewer)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = tokens.clone()
+    labels[torch.rand(batch, seq, generator=g) < 0.25] = -100
+    labels[1, : seq // 3] = -100
     return tokens, labels

@@ -21,14 +21,16 @@ run on a ("dp", "pp", "tp") mesh: after every other pass the rank's graph is cut
 stages (passes/pipeline_split.py; each node on the stage of the captured node it
 comes from, as the cost model priced it) and the stage's graphs run under
 torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B, zero-bubble);
-the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP and recompute)
-runs on a ("dp", "cp", "tp") mesh: after TP's place, the context-parallel pass
-(passes/context_parallel.py) splits every sequence over "cp" and runs attention as ring
-attention; the parameters live on the ("dp", "tp") mesh, replicated over cp. Expert parallelism
+the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP, ZeRO,
+TP without SP and recompute) runs on a ("dp", "cp", "tp") mesh: after TP's place, the
+context-parallel pass (passes/context_parallel.py) splits every sequence over "cp" and runs
+attention as ring attention on the rank's TP heads, leaving partial gradients that the DP pass
+reduces over the dp x cp ranks; the parameters live on the ("dp", "tp") mesh, replicated over
+cp, or under ZeRO sharded over the dp x cp ranks (`runtime.mesh.dp_cp_mesh`). Expert parallelism
 (ep > 1, with DP and ZeRO) groups every list of alike experts at capture and the expert-parallel
 pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
 consecutive dp ranks, with all-to-alls; the experts' parameters stay whole on every rank. Any
-other decision (ZeRO-2/3 inside a pipeline, cp with ZeRO, TP, pipelines or FP8, ep with TP,
+other decision (ZeRO-2/3 inside a pipeline, cp with SP, pipelines or FP8, ep with TP,
 pipelines, cp or FP8, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
@@ -84,6 +86,7 @@ from cost import Cluster, Layout
 from cost.step import check_layout
 from passes.loss_reduction import LossReduction, analyze_loss, for_layout
 from runtime.executor import RankGraph
+from runtime.mesh import dp_cp_mesh
 from vocab.layout import unsupported_decisions
 from vocab.plan_types import GraphSignature
 
@@ -193,9 +196,12 @@ def parallelize(
     # (under a pipeline only those of this rank's stage)
     module = copy.deepcopy(model)
     held = state.pipeline.params if state.pipeline else None
-    if lay.cp > 1:  # parameters are replicated over cp: each cp rank's copy on its (dp, tp) mesh
+    params_mesh = mesh
+    if lay.cp > 1:  # parameters are replicated over cp: each cp rank's copy on its (dp, tp) mesh,
+        # ZeRO shards them over the dp x cp ranks
+        params_mesh = dp_cp_mesh(mesh) if lay.zero else mesh["dp", "tp"]
         mesh = mesh["dp", "tp"]
-    unloaded = _to_dtensors(module, mesh, chosen.decisions, graph.aliases, held)
+    unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in state.signature.placeholder_of("param") if held is None or p in held]
     return ParallelModule(module, _rank_graph(state), chosen.with_execution(report), mesh,
@@ -298,7 +304,7 @@ def _executable(layout: Layout, precision: str) -> None:
         raise UnsupportedLayoutError(
             f"layout {layout.short()}: autopar.parallelize does not execute "
             + "; ".join(missing) + " yet. Drop what is named (each says what runs today: DP, ZeRO, "
-            "TP+SP, pipelines with ZeRO 0/1, cp and ep with DP, any recompute, the model's "
+            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO and TP, ep with DP, any recompute, the model's "
             "precision), or use the plan for its predictions")
 
 

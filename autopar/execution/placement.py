@@ -68,6 +68,7 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
     unloaded: set[str] = set()
     layout = decisions.layout
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    degrees = (mesh["dp"].size(), layout.tp)  # under cp with ZeRO "dp" is the dp x cp ranks
     made: dict[int, nn.Parameter] = {}
     for mod_name, sub in module.named_modules(remove_duplicate=False):
         for pname, p in list(sub._parameters.items()):
@@ -83,7 +84,7 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
                 data = p.detach()
                 tp_place = decided.placements.get("tp", AxisPlacement.replicate())
                 dp_place = decided.placements["dp"]
-                local = placed_shard(data, dp_place, tp_place, (layout.dp, layout.tp), (dp_rank, tp_rank))
+                local = placed_shard(data, dp_place, tp_place, degrees, (dp_rank, tp_rank))
                 placements = [to_dtensor_placement(dp_place), to_dtensor_placement(tp_place)]
                 if local.device.type == "meta":  # only this rank's shard is ever allocated
                     local = torch.empty(local.shape, dtype=local.dtype, device=device)

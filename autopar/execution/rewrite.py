@@ -27,8 +27,8 @@ the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, a
 8. ``pipeline_split`` (pp > 1): after every other rewrite, the stages run the rewritten
    graph's nodes, each on the stage of the captured node it comes from (the cost model's cut);
    gradients are reduced over "dp" by the pipeline runtime.
-9. ``data_parallel`` (pp = 1, dp > 1): last, gradient reduction and ZeRO over every gradient
-   the graph makes.
+9. ``data_parallel`` (pp = 1, dp > 1 or cp > 1): last, gradient reduction and ZeRO over every
+   gradient the graph makes (under cp over the dp x cp ranks: the CP pass leaves partial sums).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from passes.recompute import apply_recompute, heavy_groups, is_backward, values_
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from passes.token_count import weight_loss_by_seed
 from runtime import ring_attention  # noqa: F401  (registers the ring attention ops the CP pass emits)
+from runtime.mesh import dp_cp_mesh
 from runtime.pipeline import PipelinePlan
 from vocab.layout import Layout
 from vocab.plan_types import (
@@ -204,7 +205,8 @@ def _context_parallel(state: RankRewrite, lay: Layout) -> None:
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         traced = apply_context_parallel(gm, signature, [tuple(n.meta["val"].shape) for n in holders],
-                                        state.mesh["cp"], balanced=lay.cp_balance)
+                                        state.mesh["cp"], balanced=lay.cp_balance,
+                                        reduce_grads=not _over_dp_cp(lay))
     except ContextParallelError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
     gathered = [Fallback(op, why) for op, why in traced.gathered]
@@ -235,19 +237,32 @@ def _recompute_pass(state: RankRewrite, part: RecomputePart) -> None:
     state.recompute = {block: tuple(values) for block, values in executed.items()}
 
 
+def _over_dp_cp(lay: Layout) -> bool:
+    """Context parallelism without a pipeline: the CP pass leaves its gradients as partial
+    sums and the DP pass reduces them over the dp x cp ranks (`runtime.mesh.dp_cp_mesh`) in
+    one bucketed reduction, as the cost model prices it; ZeRO shards over those ranks."""
+    return lay.cp > 1 and lay.pp == 1
+
+
 def _data_parallel(state: RankRewrite, dp_plan: DataParallelPlan) -> None:
     """The DP pass (`passes.data_parallel`) on the rank's graph, in place. Whole gradients on
     every rank (DP, ZeRO-1) are reduced once per step, after the last micro-batch: the graph the
     micro-batches before it run (without the reduction) becomes ``state.accumulate_gm``.
-    Sharded gradients (ZeRO-2/3) are reduced by every micro-batch."""
+    Sharded gradients (ZeRO-2/3) are reduced by every micro-batch. Under cp: over the dp x cp
+    ranks, whose cp sets hold partial sums."""
     lay, gm, signature = state.layout, state.gm, state.signature
-    group = _dp_group(state)
+    group, partial = _dp_group(state), 1
+    if _over_dp_cp(lay):
+        flat = dp_cp_mesh(state.mesh)
+        group = AxisGroup(flat["dp"].get_group().group_name, lay.dp * lay.cp, flat.get_local_rank("dp"))
+        partial = lay.cp
     no_sync = lay.grad_accum > 1 and lay.zero <= 1
     if no_sync:
         state.accumulate_gm = copy.deepcopy(gm)
-        apply_data_parallel(state.accumulate_gm, signature, state.shapes, dp_plan, group, sync="none")
+        apply_data_parallel(state.accumulate_gm, signature, state.shapes, dp_plan, group, sync="none",
+                            partial=partial)
     apply_data_parallel(gm, signature, state.shapes, dp_plan, group,
-                        sync="accumulated" if no_sync else "reduce")
+                        sync="accumulated" if no_sync else "reduce", partial=partial)
     state.accum_inputs = [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
                           if node.op == "placeholder" and "accumulates" in node.meta]
 
@@ -274,8 +289,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("recompute", lambda s: _recomputing(s.decisions), PlanDecisions.recompute_part, _recompute_pass),
     Pass("loss_weighting", lambda s: True, _no_part, _weight_loss),
     Pass("pipeline_split", lambda s: s.layout.pp > 1, PlanDecisions.pipeline_part, _pipeline_split),
-    Pass("data_parallel", lambda s: s.layout.pp == 1 and s.layout.dp > 1, lambda d: d.data_parallel(),
-         _data_parallel),
+    Pass("data_parallel", lambda s: s.layout.pp == 1 and (s.layout.dp > 1 or _over_dp_cp(s.layout)),
+         lambda d: d.data_parallel(), _data_parallel),
 )
 
 

@@ -59,8 +59,10 @@ def _param_plan(facts: StepFacts, layout: Layout, name: str) -> ParamPlan:
     tp_place = AxisPlacement.shard(tp_dim, parts) if tp_dim is not None else AxisPlacement.replicate()
     # ZeRO shards dim 0 of the TP-local weight evenly over dp (the data-parallel pass keeps a
     # weight whole where it does not divide); a per-part TP shard is left whole over dp
+    # (under cp over the dp x cp ranks: parameters are replicated over cp)
     local0 = shape[0] // layout.tp if shape and tp_dim == 0 else (shape[0] if shape else 0)
-    zero = (layout.zero >= 1 and layout.dp > 1 and bool(shape) and local0 % layout.dp == 0
+    ranks = layout.dp * layout.cp
+    zero = (layout.zero >= 1 and ranks > 1 and bool(shape) and local0 % ranks == 0
             and tp_place.split_factor == 1)
     if zero and tp_dim == 0:
         placements["dp"] = AxisPlacement.shard(0, layout.tp)  # the rows of the TP shard

@@ -137,7 +137,7 @@ def _errors_worker(rank: int, world: int) -> list[str]:
     except (autopar.InputError, autopar.LayoutError) as exc:
         seen.append("accum" if "micro-batches" in str(exc) or "grad_accum" in str(exc) else str(exc))
     for bad, word in ((dict(pp=world, grad_accum=4, zero=3), "ZeRO-3 inside a pipeline"),
-                      (dict(cp=world, zero=1), "context parallelism (cp=2) with ZeRO-1"),
+                      (dict(cp=world, fp8="all"), "context parallelism (cp=2) with FP8"),
                       (dict(dp=world, precision="bf16"), "model's dtype")):
         try:
             parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**bad))

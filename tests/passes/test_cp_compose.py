@@ -1,0 +1,105 @@
+"""The context-parallel pass composed with the others, traced for one rank of a fake world (no
+processes): after the TP pass (cp x tp on a (cp, tp) mesh) attention is ring attention on the
+rank's heads and nothing gathers the sequence (TP's all-reduces, its vocabulary-parallel
+embedding and loss run on the rank's tokens); with ``reduce_grads=False`` the gradients leave
+as partial sums (no all-reduce over cp), for the DP pass to reduce over dp x cp; the DP pass
+scales the seed for the slices, not the ranks. The runs themselves: tests/runtime/
+test_cp_compose_parity.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from cp_models import GqaLM, gqa_batch
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar import models
+from autopar.analysis.graph import analyze
+from autopar.capture.joint import capture
+from autopar.execution.rewrite import _signature, captured_signature
+from autopar.strategies.tp_recipe import find_tp_recipe
+from passes.context_parallel import apply_context_parallel
+from passes.data_parallel import apply_data_parallel
+from passes.tensor_parallel import apply_tensor_parallel
+from runtime import ring_attention  # noqa: F401  (registers the ring ops)
+from runtime.mesh import fake_world
+from vocab.layout import Layout, unsupported_decisions
+from vocab.plan_types import AxisGroup, AxisPlacement, DataParallelPlan, TensorParallelPlan
+
+
+def _model(name: str):
+    if name == "gqa-lm":
+        return GqaLM(seed=1), gqa_batch()
+    return models.build(name, seed=0), models.example_inputs(name, batch=4, seq=16)
+
+
+def _holders(gm) -> list[tuple[int, ...]]:
+    return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _ops(gm) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "gqa-lm"])
+def test_cp_after_tp_runs_ring_attention_without_sequence_gathers(name):
+    model, batch = _model(name)
+    graph = capture(model, batch)
+    recipe = find_tp_recipe(graph, analyze(graph))
+    placements = {p: (AxisPlacement.shard(recipe.param_shard_dim(p), recipe.fused_parts.get(p, 1))
+                      if recipe.param_shard_dim(p) is not None else AxisPlacement.replicate())
+                  for p in graph.param_names}
+    sig = captured_signature(graph)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        tp = apply_tensor_parallel(graph.gm, sig, _holders(graph.gm), TensorParallelPlan(placements), mesh["tp"])
+        out = apply_context_parallel(tp.gm, sig, _holders(tp.gm), mesh["cp"], reduce_grads=False)
+    ops = _ops(out.gm)
+    assert ops["autopar.ring_attention.default"] == 2 and ops["autopar.ring_attention_backward.default"] == 2
+    assert out.gathered == [] and not any("all_gather" in op for op in ops), out.gathered
+    # the heads are TP-local: the ring's q is [b, heads / tp, s / cp, d]
+    ring = next(n for n in out.gm.graph.nodes if str(n.target) == "autopar.ring_attention.default")
+    attention = next(n for n in graph.gm.graph.nodes if "flash_attention" in str(n.target))
+    heads = attention.args[0].meta["val"].shape[1]
+    assert ring.args[0].meta["val"].shape[1] == heads // 2
+    assert ring.args[0].meta["val"].shape[2] == batch[0].shape[1] // 2
+
+
+def test_partial_gradients_and_the_dp_x_cp_seed():
+    """reduce_grads=False: no all-reduce of a gradient over cp (only the loss's sums); the DP
+    pass over 4 ranks holding 2 slices' partial sums scales the seed by 1/2, not 1/4."""
+    model, batch = _model("tiny-llama")
+    graph = capture(model, batch)
+    sig = captured_signature(graph)
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        whole = apply_context_parallel(graph.gm, sig, _holders(graph.gm), mesh)
+        graph = capture(model, batch)
+        partial = apply_context_parallel(graph.gm, sig, _holders(graph.gm), mesh, reduce_grads=False)
+    reduce = "_c10d_functional.all_reduce.default"
+    assert _ops(whole.gm)[reduce] == len(sig.grad_index) + 2
+    assert _ops(partial.gm)[reduce] == 2  # the loss's token sum and count
+    shapes = dict(graph.param_shapes)
+    sig = _signature(partial.gm, sig.inputs, sig.grad_index, sig.loss_index, sig.buffer_index)
+    apply_data_parallel(partial.gm, sig, shapes, DataParallelPlan(zero=0, sharded=frozenset()),
+                        AxisGroup("fake", 4, 0), partial=2)
+    seeds = [n for n in partial.gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor
+             and "seed gradient" in n.meta.get("autopar", "")]
+    assert [n.args[1] for n in seeds] == [0.5]
+    reasons = [n.meta["autopar"] for n in partial.gm.graph.nodes
+               if "c10d" in str(n.target) and "DP:" in n.meta.get("autopar", "")]
+    assert reasons and all("over the 4 dp x cp ranks" in r for r in reasons)
+    with pytest.raises(ValueError, match="partial=3 must divide"):
+        apply_data_parallel(graph.gm, sig, shapes, DataParallelPlan(zero=0, sharded=frozenset()),
+                            AxisGroup("fake", 4, 0), partial=3)
+
+
+def test_what_cp_runs_with_and_what_it_refuses():
+    assert unsupported_decisions(Layout(cp=2, zero=3)) == []
+    assert unsupported_decisions(Layout(cp=2, tp=2, dp=2, zero=1)) == []
+    (words,) = unsupported_decisions(Layout(cp=2, tp=2, sp=True))
+    assert "sequence parallelism" in words and "sp=False" in words and "cp=2" in words
+    (words,) = unsupported_decisions(Layout(cp=2, pp=2))
+    assert "pipelines (pp=2)" in words

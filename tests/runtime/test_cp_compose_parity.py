@@ -1,0 +1,101 @@
+"""Context parallelism composed with ZeRO and TP against one device: loss, every gradient and the
+parameters after 2 SGD steps (fp32, rtol 1e-5) on gloo ranks.
+
+ZeRO under cp shards over the dp x cp ranks (parameters are replicated over cp, gradients
+summed over dp x cp), so ``Layout(cp=2, zero=3)`` on 2 ranks holds half of every shardable
+weight on each rank. Under cp x tp each rank runs ring attention on its TP heads over its CP
+ring. Cases: the zoo's tiny-llama and a plain-PyTorch model (tests/cp_models.py `GqaLM`:
+grouped-query attention through ``F.scaled_dot_product_attention(is_causal=True)``, RoPE from
+a precomputed buffer, RMSNorm, SwiGLU) under two losses: the token-mean cross-entropy over
+unevenly ignored labels and a label-smoothed one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from cp_models import GqaLM, gqa_batch
+from parity_checks import contract, sgd, train_and_compare
+
+from runtime.launch import spawn
+
+
+def _cases():
+    from autopar import models
+
+    yield "tiny-llama", (lambda: models.build("tiny-llama", seed=3)), models.example_inputs("tiny-llama", batch=4, seq=16)
+    for loss in ("mean", "smooth"):
+        yield f"gqa-lm/{loss}", (lambda loss=loss: GqaLM(loss=loss, seed=1)), gqa_batch()
+
+
+def _sharded_over_dp_cp(pm, label, ranks: int, tp: int = 1) -> list[tuple]:
+    """Under ZeRO every shardable weight is split over all dp x cp ranks."""
+    from torch.distributed.tensor import Shard
+
+    failures = []
+    sharded = [n for n, p in pm.named_parameters() if isinstance(p.placements[0], Shard)]
+    if not sharded:
+        failures.append((*label, "no parameter sharded"))
+    for name in sharded:
+        p = dict(pm.named_parameters())[name]
+        if p.device_mesh["dp"].size() != ranks or (tp == 1 and p.to_local().shape[0] * ranks != p.shape[0]):
+            failures.append((*label, f"{name} not sharded over the {ranks} dp x cp ranks",
+                             tuple(p.to_local().shape), tuple(p.shape)))
+    return failures
+
+
+def _compose_worker(rank: int, world: int, layouts: list[dict], only: tuple[str, ...] = ()) -> list[tuple]:
+    """Every case (``only``: those named) under every layout, against one device."""
+    import autopar
+
+    failures = []
+    for degrees in layouts:
+        for name, build, batch in _cases():
+            if only and name not in only:
+                continue
+            model = build()
+            ref = copy.deepcopy(model)
+            lay = autopar.Layout(**degrees)
+            pm = autopar.parallelize(model, world, example_inputs=batch, layout=lay)
+            label = (name, pm.plan.layout.short())
+            rings = [n for n in pm._rank_graph.gm.graph.nodes if "ring_attention" in str(n.target)]
+            if len(rings) != 4:  # two blocks: forward and backward of each
+                failures.append((*label, "ring attention ops", len(rings)))
+            if lay.zero:
+                failures += _sharded_over_dp_cp(pm, label, lay.dp * lay.cp, lay.tp)
+            failures += contract(pm, label)
+            failures += train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd,))
+    return failures
+
+
+def test_cp2_zero():
+    """cp=2 with ZeRO-1 and ZeRO-3 on 2 ranks (one spawn): the GQA model's mean under ZeRO-1,
+    its label-smoothed loss and tiny-llama under ZeRO-3 (tiny-llama under ZeRO-1: the 4-rank
+    slow test)."""
+    results = spawn(_cp2_zero_work, 2, timeout_s=600)
+    assert all(r == [] for r in results), [r for r in results if r]
+
+
+def _cp2_zero_work(rank: int, world: int) -> list[tuple]:
+    return (_compose_worker(rank, world, [{"cp": 2, "zero": 1}], ("gqa-lm/mean",))
+            + _compose_worker(rank, world, [{"cp": 2, "zero": 3}], ("tiny-llama", "gqa-lm/smooth")))
+
+
+@pytest.mark.slow
+def test_cp2_dp2_zero():
+    """4 ranks: cp2 x dp2 under ZeRO-2 and ZeRO-3 (sharded over 4 ranks), and ZeRO-1 with 2
+    micro-batches (the no-sync graph keeps partial sums over cp until the last one)."""
+    results = spawn(_compose_worker, 4, args=([{"cp": 2, "dp": 2, "zero": 2}, {"cp": 2, "dp": 2, "zero": 3},
+                                               {"cp": 2, "dp": 2, "zero": 1, "grad_accum": 2}],),
+                    timeout_s=900)
+    assert all(r == [] for r in results), [r for r in results if r]
+
+
+@pytest.mark.slow
+def test_cp2_tp2():
+    """4 ranks: cp2 x tp2 (heads over tp, the sequence over cp), then with ZeRO-1 over the
+    dp x cp ranks: tiny-llama and the GQA model's mean (its label-smoothed loss has an op
+    TP runs replicated)."""
+    results = spawn(_compose_worker, 4, args=([{"cp": 2, "tp": 2}, {"cp": 2, "tp": 2, "zero": 1}],
+                                              ("tiny-llama", "gqa-lm/mean")), timeout_s=900)
+    assert all(r == [] for r in results), [r for r in results if r]
