@@ -4,7 +4,6 @@ values and peak memory do not change (run on real tensors, the fake group answer
 collectives with the local values)."""
 
 import copy
-import operator
 
 import pytest
 import torch
