@@ -85,6 +85,7 @@ def is_collective(node: fx.Node) -> bool:
 
 
 def is_wait(node: fx.Node) -> bool:
+    """A functional collective's ``wait_tensor``."""
     return node.op == "call_function" and node.target is c10d.wait_tensor.default
 
 
@@ -96,9 +97,9 @@ def overlap_communication(gm: fx.GraphModule, window: int = WINDOW) -> OverlapRe
     for c in [n for n in gm.graph.nodes if is_collective(n)]:
         report.moved += _issue_early(c, window)
     for w in [n for n in gm.graph.nodes if is_wait(n)]:
-        report.moved += _wait_late(w, gm.graph)
-    after = [n.name for n in gm.graph.nodes if is_collective(n)]
-    assert after == order_before, "overlap: the collectives' order changed"
+        report.moved += _wait_late(w)
+    if [n.name for n in gm.graph.nodes if is_collective(n)] != order_before:  # by construction
+        raise RuntimeError("the overlap pass changed the collectives' order: a bug in passes/overlap.py")
     gm.graph.lint()
     gm.recompile()
     for c in gm.graph.nodes:
@@ -142,8 +143,10 @@ def _issue_early(c: fx.Node, window: int) -> int:
     return len(independent)
 
 
-def _wait_late(w: fx.Node, graph: fx.Graph) -> int:
+def _wait_late(w: fx.Node) -> int:
     """Move ``w`` and the views of its result right before the first other op reading them."""
+    if any(_mutates(i) for i in w.all_input_nodes):  # an in-place collective: its input's
+        return 0  # readers may alias the result
     phase = is_backward(w)
     members = {w}
     chain: list[fx.Node] = []

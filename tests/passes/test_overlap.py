@@ -4,6 +4,7 @@ values and peak memory do not change (run on real tensors, the fake group answer
 collectives with the local values)."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def _signature(graph) -> GraphSignature:
         loss_index=next(o.index for o in graph.outputs if o.kind == "loss"))
 
 
+@functools.cache  # one capture for both SP settings
 def _zoo_case(name: str):
     model = models.build(name, seed=0)
     batch = models.example_inputs(name, batch=2, seq=16)
@@ -199,3 +201,21 @@ def test_issue_early_wait_late_and_barriers(random_between):
     # the collectives keep their order (group "0" then "1"); both waits sit at their first use
     assert [n for n in order if n.startswith("all_reduce")] == ["all_reduce", "all_reduce_1"]
     assert order.index("wait_tensor") > order.index("all_reduce_1")
+
+
+def test_parallelize_runs_it_under_tp_unless_switched_off(monkeypatch):
+    from types import SimpleNamespace
+
+    from autopar.execution.rewrite import PASSES
+    from vocab.layout import Layout
+
+    names = [p.name for p in PASSES]
+    # after every pass that inserts TP's collectives, before the pipeline split and DP
+    assert names.index("recompute") < names.index("overlap") < names.index("pipeline_split")
+    assert names.index("overlap") < names.index("data_parallel")
+    step = PASSES[names.index("overlap")]
+    state = SimpleNamespace(layout=Layout(tp=2))
+    assert step.runs(state)
+    assert not step.runs(SimpleNamespace(layout=Layout(dp=2)))
+    monkeypatch.setenv("AUTOPAR_OVERLAP", "0")
+    assert not step.runs(state)
