@@ -19,7 +19,7 @@ first use allows, the independent compute running in between:
    Megatron does.
 2. **Wait late.** Each wait, with the views of its result that follow it (split, getitem, cat,
    view ...), moves to right before the first other op that reads them, staying in its phase
-   (forward or backward).
+   (forward or backward) and before any op that mutates an input or is not aten.
 
 Rules that keep every rank's execution correct and deadlock-free:
 
@@ -151,7 +151,7 @@ def _wait_late(w: fx.Node) -> int:
     members = {w}
     chain: list[fx.Node] = []
     n = w.next
-    while n.op != "output" and is_backward(n) == phase:
+    while n.op != "output" and is_backward(n) == phase and not _writes(n):
         if any(i in members for i in n.all_input_nodes):
             if n.op != "call_function" or n.target not in _VIEWS:
                 break
@@ -194,6 +194,14 @@ def _namespace(node: fx.Node) -> str:
 def _mutates(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def _writes(node: fx.Node) -> bool:
+    """An op a wait and its views do not pass: one that mutates an input (a moved view or cat
+    would read the written value) or a custom op (it may)."""
+    custom = node.op == "call_function" and node.target is not operator.getitem and \
+        _namespace(node) not in ("aten", "_c10d_functional")
+    return custom or _mutates(node)
 
 
 def _barrier(node: fx.Node) -> bool:
