@@ -17,9 +17,11 @@ default per-parameter loop costs DTensor parameters, autopar's and fully_shard's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -40,6 +42,10 @@ FITTED_BY = ("CPU_ADAM_BYTES_PER_PARAM (68 B/param) was fitted on this model's o
              "and cost.cluster.rank_share set from its step time, on the 2-core dev box")
 
 
+# a layout entry's key: build it with the overlap pass switched off (its environment switch)
+OVERLAP_OFF = "no_overlap"
+
+
 def _sample(num_params: int) -> tuple[str, str | None]:
     """(label, what was fitted) of predictions for a model of ``num_params`` parameters."""
     if num_params == FITTED_PARAMS:
@@ -56,6 +62,9 @@ def _layouts(world: int, n_layers: int) -> dict[str, dict | None]:
         "TP+SP": {"tp": world, "sp": True}}
     if world >= 4:  # a real product of both axes
         layouts["DP x TP"] = {"dp": 2, "tp": world // 2}
+    if world >= 4:  # the bench's run: the TP layouts also without the overlap pass (`passes.overlap`)
+        for label in ("TP+SP", "DP x TP"):
+            layouts[f"{label} no overlap"] = {**layouts[label], OVERLAP_OFF: True}
     # pipelines (1F1B), against torch.distributed.pipelining with an even split written by hand
     if n_layers >= world:
         layouts[f"PP{world} 1F1B"] = {"pp": world, "grad_accum": 2 * world}
@@ -265,7 +274,8 @@ def _hand_written_pp(layout, model, batch):
     return step
 
 
-def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, repeat: int) -> list[dict]:
+def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, repeat: int,
+            only: tuple[str, ...] | None = None) -> list[dict]:
     import warnings
 
     import autopar
@@ -275,14 +285,19 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
     batch = models.example_inputs(cfg, batch=batch_size, seq=seq)
     built = []
     for label, degrees in _layouts(world, cfg.n_layers).items():
+        if only is not None and label not in only:
+            continue
         model = models.build(cfg, seed=0)
         ref = copy.deepcopy(model)
-        layout = None
+        layout, no_overlap = None, False
         if degrees is not None:
+            degrees = dict(degrees)
+            no_overlap = degrees.pop(OVERLAP_OFF, False)
             per_rank = batch_size // degrees.get("dp", 1)
             layout = autopar.Layout(**degrees, microbatch=per_rank // degrees.get("grad_accum", 1),
                                     precision="fp32")
-        pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
+        with _overlap(not no_overlap):
+            pm = autopar.parallelize(model, world, example_inputs=batch, layout=layout)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
 
         def step(pm=pm, opt=opt, optimizer=True):
@@ -291,7 +306,9 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
                 opt.step()
             opt.zero_grad()
 
-        built.append((label, pm.plan, step, _hand_written(pm.plan.layout, ref, batch, world)))
+        # the hand-written twin once per layout, not again for the no-overlap row
+        hand = None if no_overlap else _hand_written(pm.plan.layout, ref, batch, world)
+        built.append((label, pm.plan, step, hand))
     # every layout's steps and the hand-written ones round-robin: all see the same machine state
     fns = [fn for _, _, step, hand in built for fn in (step, hand) if fn is not None]
     timed = iter(_time_pair(fns, warmup, repeat))
@@ -303,6 +320,8 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
         row = {"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
                "measured_s": measured, "hand_written_s": hand_s,
                "autopar_over_hand": measured / hand_s if hand_s else None, "samples_s": samples}
+        if plan.layout.tp > 1:
+            row["comm_waits_s"] = _comm_waits(step, repeat)
         if plan.layout.cp > 1:
             row["ring_exposed_measured_s"] = _ring_exposed(step, repeat)
             row["ring_exposed_predicted_s"] = plan.predicted.time_breakdown["cp_comm_exposed_s"]
@@ -329,6 +348,41 @@ def _ring_exposed(step, repeat: int) -> float:
         with measure_waits() as waits:
             step()
         slowest = torch.tensor([sum(waits)])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        per_step.append(float(slowest))
+    return statistics.median(per_step)
+
+
+@contextlib.contextmanager
+def _overlap(on: bool):
+    """The overlap pass switched on or off (`passes.overlap.ENV_SWITCH`) while a layout is built."""
+    from passes.overlap import ENV_SWITCH
+
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
+def _comm_waits(step, repeat: int) -> float:
+    """Seconds per step the slowest rank spent blocked in the collectives' waits
+    (``_c10d_functional::wait_tensor``, under `torch.profiler`), the median over ``repeat``
+    steps: the communication the step did not hide (under TP, TP's and DP's collectives)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    per_step = []
+    for _ in range(repeat):
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(optimizer=False)
+        waits = sum(e.cpu_time_total for e in prof.key_averages() if e.key == "_c10d_functional::wait_tensor")
+        slowest = torch.tensor([waits / 1e6])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         per_step.append(float(slowest))
     return statistics.median(per_step)
@@ -425,10 +479,12 @@ def _num_params(cfg) -> int:
     return int(sum(p.numel() for p in models.build(cfg, device="meta").parameters()))
 
 
-def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calibration: str | None = None) -> dict:
+def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calibration: str | None = None,
+                      layouts: tuple[str, ...] | None = None) -> dict:
     """Measure every executable layout of a small GPT on ``world`` gloo ranks.
 
     ``calibration``: an `autopar calibrate` file for the predictions; default: calibrate now.
+    ``layouts``: only these rows (their labels, e.g. ("TP+SP", "TP+SP no overlap")); default all.
     """
     from autopar import models
 
@@ -443,15 +499,29 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
     progress(f"bench runtime: {cfg.n_layers}-layer GPT (h {cfg.hidden}), batch {batch} x seq {seq}, {world} gloo ranks")
     t0 = time.perf_counter()
     try:
-        rows = spawn(_worker, world, args=(cfg, batch, seq, 2, 5 if quick else 11), timeout_s=1800,
+        rows = spawn(_worker, world, args=(cfg, batch, seq, 2, 5 if quick else 11, layouts), timeout_s=1800,
                      env={"AUTOPAR_CALIBRATION": str(calibration)})[0]
     finally:
         if measured_now:  # its numbers are kept in the result
             shutil.rmtree(Path(calibration).parent, ignore_errors=True)
-    predicted, measured = _per_layout(rows)
-    flat = _per_layout([r for r in rows if "idle_measured_s" not in r])  # the pp = 1 layouts
+    ranked = [r for r in rows if not r["layout"].endswith(" no overlap")]  # a layout once
+    predicted, measured = _per_layout(ranked)
+    flat = _per_layout([r for r in ranked if "idle_measured_s" not in r])  # the pp = 1 layouts
     sample, fitted_by = _sample(_num_params(cfg))
     by = {r["layout"]: r for r in rows}
+    overhead = _recompute_overhead(by)
+    return json_ready({"sample": sample, "fitted_by": fitted_by,"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
+                       "spearman_predicted_vs_measured": _spearman(predicted, measured),
+                       "spearman_without_pipelines": _spearman(*flat),
+                       "distinct_layouts": len(predicted), "calibration": cal,
+                       "recompute_overhead": overhead,
+                       "time_s": time.perf_counter() - t0})
+
+
+def _recompute_overhead(by: dict[str, dict]) -> dict | None:
+    """Full recompute's measured and predicted overhead over ZeRO-3 (None without both rows)."""
+    if "ZeRO-3" not in by or "ZeRO-3 + full recompute" not in by:
+        return None
     base, full = by["ZeRO-3"], by["ZeRO-3 + full recompute"]
     # the median of the rounds' differences: round i of both ran seconds apart, so a slow
     # stretch of the machine cancels (the difference of two medians does not pair them)
@@ -462,12 +532,21 @@ def run_runtime_bench(quick: bool = False, world: int = 4, progress=print, calib
     # noise can leave no measured overhead at all: no ratio then
     overhead["predicted_over_measured"] = (overhead["predicted_s"] / overhead["measured_s"]
                                            if overhead["measured_s"] > 0 else float("nan"))
-    return json_ready({"sample": sample, "fitted_by": fitted_by,"world": world, "model": dataclasses.asdict(cfg), "batch": batch, "seq": seq, "rows": rows,
-                       "spearman_predicted_vs_measured": _spearman(predicted, measured),
-                       "spearman_without_pipelines": _spearman(*flat),
-                       "distinct_layouts": len(predicted), "calibration": cal,
-                       "recompute_overhead": overhead,
-                       "time_s": time.perf_counter() - t0})
+    return overhead
+
+
+def _overlap_lines(result: dict) -> str:
+    """Each TP layout with and without the overlap pass: step time (the median of the rounds'
+    ratios) and the time blocked in collective waits."""
+    by = {r["layout"]: r for r in result["rows"]}
+    lines = ""
+    for label, off in ((k, by[f"{k} no overlap"]) for k in by if f"{k} no overlap" in by):
+        on = by[label]
+        paired = statistics.median(a / b for a, b in zip(on["samples_s"], off["samples_s"]))
+        lines += (f"\n{label}: overlap on {fmt_time(on['measured_s'])}, off {fmt_time(off['measured_s'])} "
+                  f"(on / off {paired:.2f}, median of the rounds' ratios); blocked in collective waits "
+                  f"{fmt_time(on['comm_waits_s'])} on, {fmt_time(off['comm_waits_s'])} off (slowest rank)")
+    return lines
 
 
 def format_runtime_bench(result: dict) -> str:
@@ -482,6 +561,7 @@ def format_runtime_bench(result: dict) -> str:
             f"layouts: {result['spearman_predicted_vs_measured']:.2f} "
             f"({result.get('spearman_without_pipelines', float('nan')):.2f} without the pipelines)"
             + _overhead_line(result)
+            + _overlap_lines(result)
             + _idle_lines(result)
             + _ring_lines(result)
             + _sample_line(result))

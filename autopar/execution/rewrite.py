@@ -24,6 +24,9 @@ the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, a
 7. ``loss_weighting``: the loss output weighted by its seed, before DP (which scales the seed
    for the gradients but keeps the reported loss's weight) and before the pipeline split
    (which puts the weighting on the loss's stage).
+7b. ``overlap`` (tp > 1): after every pass that inserts TP's collectives, each issued early and
+   waited late (`passes.overlap`); before the pipeline split (which cuts the reordered graph)
+   and before DP (whose bucketed reductions it leaves where DP schedules them).
 8. ``pipeline_split`` (pp > 1): after every other rewrite, the stages run the rewritten
    graph's nodes, each on the stage of the captured node it comes from (the cost model's cut);
    gradients are reduced over "dp" by the pipeline runtime.
@@ -46,6 +49,7 @@ from autopar.analysis.graph import analyze
 from autopar.errors import AutoparError
 from autopar.execution.module import _dp_rank
 from cost.stages import node_stages
+from passes import overlap
 from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
 from passes.expert_parallel import ExpertParallelError, apply_expert_parallel, expert_groups
@@ -288,6 +292,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("fp8_scales", lambda s: bool(s.decisions.fp8) and s.layout.dp > 1, PlanDecisions.fp8_part, _fp8_scales),
     Pass("recompute", lambda s: _recomputing(s.decisions), PlanDecisions.recompute_part, _recompute_pass),
     Pass("loss_weighting", lambda s: True, _no_part, _weight_loss),
+    Pass("overlap", lambda s: s.layout.tp > 1 and overlap.enabled(), _no_part,
+         lambda s, part: overlap.overlap_communication(s.gm)),
     Pass("pipeline_split", lambda s: s.layout.pp > 1, PlanDecisions.pipeline_part, _pipeline_split),
     Pass("data_parallel", lambda s: s.layout.pp == 1 and (s.layout.dp > 1 or _over_dp_cp(s.layout)),
          lambda d: d.data_parallel(), _data_parallel),
