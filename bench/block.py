@@ -1,7 +1,7 @@
 """`autopar bench block-check`: the cost model's predicted forward+backward time of single
 transformer blocks against times measured on a GPU by examples/gpu_block_check.py.
 
-The default measurement (cost/profiles/h200_block_check_2026-11-29.json) is also what the cost
+The default measurement (cost/profiles/h200_block_check.json) is also what the cost
 model's GEMM efficiencies were fitted on (cost/compute.py GEMM_HALF_EFFICIENCY_FLOPS, the bf16
 and fp8 asymptotes in cost/hardware.py): its GEMM rows are in-sample, its block rows held out
 (the blocks were checked, not fitted). A measurement from another run is held out throughout.
@@ -27,7 +27,7 @@ from cost.compute import gemm_efficiency
 from cost.step import node_times
 
 # The measurement ships with the cost model's profiles (package data of `cost`).
-DEFAULT_MEASURED = PROFILE_DIR / "h200_block_check_2026-11-29.json"
+DEFAULT_MEASURED = PROFILE_DIR / "h200_block_check.json"
 # Measurement files whose GEMMs the cost model's GEMM efficiencies were fitted on (by name:
 # the file is copied, not regenerated, so its name identifies the run).
 GEMM_FIT_FILES = frozenset({DEFAULT_MEASURED.name})

@@ -151,7 +151,7 @@ H100_INTRA_EFFICIENCY = {
     "send_recv": _H100_AG_FRACTION,
 }
 # A100 (no NVLS): 8xA100 SXM4 all-reduce busbw 230-250 GB/s of 300 ("NCCL-tests in practice",
-# docs.alayanew.com tech blog 2026-05-06, reference table); 240/300 assumed for every kind.
+# docs.alayanew.com tech blog, reference table); 240/300 assumed for every kind.
 A100_INTRA_EFFICIENCY = dict.fromkeys(COLLECTIVES, 240e9 / 300e9)
 # B200: no published 8-GPU nccl-tests figure at hand; NVLink5 behind NVSwitch with NVLS like
 # the H100's, so the H100's fractions of the link rate are assumed.

@@ -53,7 +53,7 @@ def op_time(
 
 # GEMM efficiency grows with the work per kernel: eff(F) = eff_max * F / (F + F_half), F = 2mnk.
 # F_half fitted to 12 bf16 and fp8 GEMMs of transformer shapes (4096-16384 tokens, 2048-28672
-# features) measured on an H200 (cost/profiles/h200_block_check_2026-11-29.json):
+# features) measured on an H200 (cost/profiles/h200_block_check.json):
 # mean error 5.0 % (bf16), 3.4 % (fp8); eff_max is GPUSpec.efficiency(dtype).
 GEMM_HALF_EFFICIENCY_FLOPS = {"bf16": 1.78e10, "fp16": 1.78e10, "fp8": 4.47e10}
 

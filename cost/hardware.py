@@ -1,8 +1,8 @@
 """Accelerator datasheets: peak rates, memory, and the fractions of peak that real kernels reach.
 
 Every number names its source. Peaks are dense (no 2:4 sparsity) vendor datasheet figures; the
-efficiencies are measurements on this workplace's H200 (see ``cost/profiles/h200_probe_*.json``
-and the device notes of 2026-10-28), assumed to carry over to the H100 and A100 where no
+efficiencies are measurements on this workplace's H200 (see ``cost/profiles/h200_probe.json``
+and ``h200_block_check.json``), assumed to carry over to the H100 and A100 where no
 measurement of those exists.
 """
 
@@ -85,14 +85,14 @@ class GPUSpec:
 
 # --- measured on this workplace's H200 --------------------------------------------------------
 # GEMM efficiency, large-GEMM asymptote: bf16 0.725, fp8 0.665 of the dense peaks, fitted to
-# 12 transformer-shaped GEMMs measured on an H200 2026-11-29 with eff(F) = eff_max*F/(F+F_half)
-# (cost/compute.py, cost/profiles/h200_block_check_2026-11-29.json). The same run's 8192^3
+# 12 transformer-shaped GEMMs measured on an H200 with eff(F) = eff_max*F/(F+F_half)
+# (cost/compute.py, cost/profiles/h200_block_check.json). The same run's 8192^3
 # bf16 GEMM sustained 672 TFLOP/s (0.679), as did the earlier probe loop; the 788 TFLOP/s of
-# 2026-10-28 was a burst of ten. fp32 (TF32 off) 51.0 and tf32 359 TFLOP/s: one sustained loop
-# of 8192^3 matmuls on an H200 2026-11-29 (cost/profiles/h200_probe_2026-11-29.json).
+# an earlier probe was a burst of ten. fp32 (TF32 off) 51.0 and tf32 359 TFLOP/s: one sustained loop
+# of 8192^3 matmuls on an H200 (cost/profiles/h200_probe.json).
 H200_MEASURED_BF16_EFFICIENCY = 0.725
 # Device-to-device copy: 4.3 TB/s counting bytes read and written, measured on an H200
-# 2026-10-28 (device notes) -> 4.3 / 4.8 = 0.896.
+# (an earlier device probe) -> 4.3 / 4.8 = 0.896.
 H200_MEASURED_COPY_EFFICIENCY = 4.3e12 / 4.8e12
 H200_DTYPE_EFFICIENCY = {
     "bf16": H200_MEASURED_BF16_EFFICIENCY,
@@ -102,7 +102,7 @@ H200_DTYPE_EFFICIENCY = {
     "tf32": 359e12 / 494.7e12,
 }
 # Per-op floor: an eager x.add_(1) on one element costs 10.7 us per op (CPU dispatch + launch),
-# 1.1 us under CUDA-graph replay; measured on an H200 2026-11-29 (probe file above). The
+# 1.1 us under CUDA-graph replay; measured on an H200 (probe file above). The
 # runtime executes per-rank graphs eagerly, so the eager figure is the floor.
 H200_MEASURED_KERNEL_FLOOR_S = 1.07e-5
 
@@ -150,8 +150,8 @@ GPUS: dict[str, GPUSpec] = {
         sm_count=132,  # measured: torch reports 132 multiprocessors
         source=(
             "NVIDIA H200 Tensor Core GPU datasheet (SXM); 788 TFLOP/s bf16 8192^3 matmul "
-            "measured on an H200 2026-10-28, 4.3 TB/s device copy; dtype ratios and kernel "
-            "floor measured on an H200 2026-11-29 (cost/profiles/h200_probe_2026-11-29.json)"
+            "measured on an H200 (a burst of ten), 4.3 TB/s device copy; dtype ratios and kernel "
+            "floor measured on an H200 (cost/profiles/h200_probe.json)"
         ),
     ),
     "a100-80gb": GPUSpec(

@@ -18,7 +18,7 @@ from cost.hardware import GPUS
 from cost.precision import recipe
 
 H100 = GPUS["h100"]
-PROBE = Path(__file__).resolve().parents[2] / "cost" / "profiles" / "h200_probe_2026-11-29.json"
+PROBE = Path(__file__).resolve().parents[2] / "cost" / "profiles" / "h200_probe.json"
 
 
 def test_compute_bound_matmul():
@@ -67,7 +67,7 @@ def test_matmul_efficiency_grows_with_gemm_size():
 
 def test_gemm_curve_against_eager_h200_gemms():
     """The curve against the eager GEMM timings it was fitted to (12 shapes, bf16 and fp8)."""
-    data = json.loads((PROBE.parent / "h200_block_check_2026-11-29.json").read_text())
+    data = json.loads((PROBE.parent / "h200_block_check.json").read_text())
     errs = []
     for g in data["gemms"]:
         flops = 2.0 * g["m"] * g["n"] * g["k"]
