@@ -2,9 +2,12 @@
 (rotary positions made from ``arange`` inside the model, ``F.scaled_dot_product_attention(
 is_causal=True)``, labels shifted inside the model, a choice of loss) and `GqaLM` (grouped-query
 attention, RoPE from precomputed buffers, RMSNorm, SwiGLU; mean or label-smoothed
-cross-entropy)."""
+cross-entropy), and `cp_parity_failures`, the parity loop both cp test files run."""
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -152,3 +155,32 @@ def gqa_batch(batch: int = 4, seq: int = 16, vocab: int = 64, seed: int = 5):
     labels[torch.rand(batch, seq, generator=g) < 0.25] = -100
     labels[1, : seq // 3] = -100
     return tokens, labels
+
+
+def cp_parity_failures(world: int, cases: Callable[[], Iterable[tuple]], layouts: list[dict],
+                       only: tuple[str, ...] = (), check: Callable | None = None) -> list[tuple]:
+    """Every case of ``cases()`` (``only``: those named) under every layout against one device
+    (loss, every gradient, parameters after 2 SGD steps), after checking that attention ran as
+    ring attention (two blocks: forward and backward of each) and ``check(pm, label)``'s own
+    failures."""
+    from parity_checks import contract, sgd, train_and_compare
+
+    import autopar
+
+    failures = []
+    for degrees in layouts:
+        for name, build, batch in cases():
+            if only and name not in only:
+                continue
+            model = build()
+            ref = copy.deepcopy(model)
+            pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
+            label = (name, pm.plan.layout.short())
+            rings = [n for n in pm._rank_graph.gm.graph.nodes if "ring_attention" in str(n.target)]
+            if len(rings) != 4:
+                failures.append((*label, "ring attention ops", len(rings)))
+            if check is not None:
+                failures += check(pm, label)
+            failures += contract(pm, label)
+            failures += train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd,))
+    return failures

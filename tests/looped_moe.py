@@ -42,10 +42,13 @@ class LoopedMoELM(nn.Module):
     """(ids, labels) -> mean next-token cross-entropy; or, with labels=None, the logits."""
 
     def __init__(self, vocab: int = 64, hidden: int = 32, ffn: int = 64, experts: int = 8,
-                 layers: int = 2, distinct: bool = False) -> None:
+                 layers: int = 2, distinct: bool = False, moe: type[nn.Module] | None = None) -> None:
+        """``moe(hidden, ffn, experts)`` builds each layer (default: `LoopedMoE`)."""
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(LoopedMoE(hidden, ffn, experts, distinct=distinct) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            moe(hidden, ffn, experts) if moe is not None else LoopedMoE(hidden, ffn, experts, distinct=distinct)
+            for _ in range(layers))
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,11 +11,8 @@ unevenly ignored labels and a label-smoothed one."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from cp_models import GqaLM, gqa_batch
-from parity_checks import contract, sgd, train_and_compare
+from cp_models import GqaLM, cp_parity_failures, gqa_batch
 
 from runtime.launch import spawn
 
@@ -44,28 +41,15 @@ def _sharded_over_dp_cp(pm, label, ranks: int, tp: int = 1) -> list[tuple]:
     return failures
 
 
-def _compose_worker(rank: int, world: int, layouts: list[dict], only: tuple[str, ...] = ()) -> list[tuple]:
-    """Every case (``only``: those named) under every layout, against one device."""
-    import autopar
+def _zero_sharding(pm, label) -> list[tuple]:
+    lay = pm.plan.layout
+    return _sharded_over_dp_cp(pm, label, lay.dp * lay.cp, lay.tp) if lay.zero else []
 
-    failures = []
-    for degrees in layouts:
-        for name, build, batch in _cases():
-            if only and name not in only:
-                continue
-            model = build()
-            ref = copy.deepcopy(model)
-            lay = autopar.Layout(**degrees)
-            pm = autopar.parallelize(model, world, example_inputs=batch, layout=lay)
-            label = (name, pm.plan.layout.short())
-            rings = [n for n in pm._rank_graph.gm.graph.nodes if "ring_attention" in str(n.target)]
-            if len(rings) != 4:  # two blocks: forward and backward of each
-                failures.append((*label, "ring attention ops", len(rings)))
-            if lay.zero:
-                failures += _sharded_over_dp_cp(pm, label, lay.dp * lay.cp, lay.tp)
-            failures += contract(pm, label)
-            failures += train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd,))
-    return failures
+
+def _compose_worker(rank: int, world: int, layouts: list[dict], only: tuple[str, ...] = ()) -> list[tuple]:
+    """Every case (``only``: those named) under every layout, against one device; under ZeRO
+    every shardable weight split over the dp x cp ranks."""
+    return cp_parity_failures(world, _cases, layouts, only, check=_zero_sharding)
 
 
 def test_cp2_zero():

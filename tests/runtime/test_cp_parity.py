@@ -12,8 +12,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from cp_models import RopeLM, rope_batch
-from parity_checks import contract, sgd, train_and_compare
+from cp_models import RopeLM, cp_parity_failures, rope_batch
 
 from runtime.launch import spawn
 
@@ -34,23 +33,7 @@ def _cases():
 
 def _cp_worker(rank: int, world: int, layouts: list[dict], only: tuple[str, ...] = ()) -> list[tuple]:
     """Every case (``only``: those named) under every layout, against one device."""
-    import autopar
-
-    failures = []
-    for degrees in layouts:
-        for name, build, batch in _cases():
-            if only and name not in only:
-                continue
-            model = build()
-            ref = copy.deepcopy(model)
-            pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
-            label = (name, pm.plan.layout.short())
-            rings = [n for n in pm._rank_graph.gm.graph.nodes if "ring_attention" in str(n.target)]
-            if len(rings) != 4:  # two blocks: forward and backward of each
-                failures.append((*label, "ring attention ops", len(rings)))
-            failures += contract(pm, label)
-            failures += train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd,))
-    return failures
+    return cp_parity_failures(world, _cases, layouts, only)
 
 
 DEFAULT = ("tiny-llama", "rope-lm/mean", "rope-lm/mixed", "hf-llama")

@@ -2,7 +2,7 @@
 
 Loss, every gradient and the parameters after 2 SGD steps, fp32, rtol 1e-5, on gloo ranks: the
 zoo Mixtral (4 experts, 5 layers: the capture repeats the middle block) and a plain-PyTorch
-top-2 MoE written here (`Top2MoELM`: 8 SwiGLU experts with biases, every expert on every token
+top-2 MoE written here (`top2_moe_lm`: 8 SwiGLU experts with biases, every expert on every token
 weighted by its renormalised top-2 gate, results stacked along dim -2), each under two losses
 (the model's mean cross-entropy, and a label-smoothed one over the tokens left after masking
 some labels with -100), with ZeRO and gradient accumulation. 2 ranks (ep2 x dp2 in one group)
@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from looped_moe import LoopedMoELM
 from parity_checks import contract, sgd, train_and_compare
 from torch import nn
 
@@ -53,23 +54,9 @@ class Top2MoE(nn.Module):
         return h + (gates.unsqueeze(-1) * outs).sum(-2)
 
 
-class Top2MoELM(nn.Module):
-    """(ids, labels) -> mean next-token cross-entropy; (ids,) -> logits."""
-
-    def __init__(self, vocab: int = 64, hidden: int = 32, ffn: int = 48, experts: int = 8, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Top2MoE(hidden, ffn, experts) for _ in range(layers))
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(ids)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.head(h)
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+def top2_moe_lm() -> LoopedMoELM:
+    """(ids, labels) -> mean next-token cross-entropy; (ids,) -> logits; `Top2MoE` layers."""
+    return LoopedMoELM(ffn=48, moe=Top2MoE)
 
 
 def masked_smoothed(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -92,7 +79,7 @@ def _cases():
     cfg = dataclasses.replace(models.config("tiny-mixtral"), n_layers=5)
     return {
         "tiny-mixtral": (lambda: models.build(cfg, seed=1), cfg.vocab),
-        "top2-moe": (lambda: (torch.manual_seed(2), Top2MoELM())[1], 64),
+        "top2-moe": (lambda: (torch.manual_seed(2), top2_moe_lm())[1], 64),
     }
 
 
