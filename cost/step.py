@@ -65,6 +65,7 @@ from cost.terms.pipeline_parallel import loss_broadcast, p2p_time, pipeline_time
 from cost.terms.recompute import (
     columns,
     fixed_choice,
+    group_max,
     knapsack_choice,
     local_block_input_bytes,
     local_saved_bytes,
@@ -355,8 +356,7 @@ def _auto_choices(facts: StepFacts, cluster: Cluster, lay: Layout) -> tuple[Reco
         return none
     # each stage alone: its rows and nodes; the step's largest value counts on every stage
     # (`staged_activation_memory`), so a stage whose own largest is smaller has less room
-    largest = np.zeros(lay.pp)
-    np.maximum.at(largest, saved_stage, local * columns(facts, none[0]).kept)
+    largest = group_max(local * columns(facts, none[0]).kept, saved_stage, lay.pp)
     room = room - 2.0 * (largest.max() - largest)
     # a recomputing stage that keeps its SP gathers holds them too (`Layout.regather`)
     room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight

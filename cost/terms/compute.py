@@ -13,7 +13,7 @@ from cost.hardware import GPUSpec
 from cost.memory import buffer_bytes, headroom_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import recipe
-from cost.stages import StageMemory, balanced_cuts
+from cost.stages import StageMemory, balanced_cuts, fitting_cuts
 from cost.step_facts import StepFacts
 from cost.terms.common import block_params, resolved
 from cost.terms.recompute import activation_memory, fixed_choice, local_saved_bytes
@@ -236,7 +236,9 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
         memory = slot_memory(facts, cluster, layout)
         if memory.fits(chunk_map[1:-1], chunks):
             return chunk_map, chunk_map
-        blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
+        blocks = fitting_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
+        if blocks is None:  # no cut fits: the one that balances time (`balanced_cuts`)
+            return chunk_map, chunk_map
         return chunk_map, np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
 
     # the time cut is kept alive with the memory cut: its id is the key

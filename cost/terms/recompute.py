@@ -30,6 +30,7 @@ the least memory (the layout does not fit).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -113,7 +114,25 @@ def rebuilt_peaks(local: np.ndarray, spans: np.ndarray, layer: np.ndarray, group
         return out
     delta = np.concatenate([local[rows], -local[rows]])
     owner = np.concatenate([group[rows], group[rows]])
-    np.maximum.at(out, owner[order], np.cumsum(delta[order]))
+    return group_max(np.cumsum(delta[order]), owner[order], groups)
+
+
+def group_max(values: np.ndarray, group: np.ndarray, groups: int) -> np.ndarray:
+    """max(0, the largest of ``values`` in each group) for groups 0..groups-1 (what
+    ``np.maximum.at`` on zeros gives, without its per-element cost)."""
+    out = np.zeros(groups)
+    if not len(values):
+        return out
+    if groups == 1:
+        out[0] = max(0.0, float(values.max()))
+        return out
+    if np.all(group[1:] >= group[:-1]):  # rows by block: usually in stage order already
+        ordered = group
+    else:
+        order = np.argsort(group, kind="stable")
+        ordered, values = group[order], values[order]
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    out[ordered[starts]] = np.maximum(0.0, np.maximum.reduceat(values, starts))
     return out
 
 
@@ -184,9 +203,8 @@ def transient_bytes(facts: StepFacts, kept: np.ndarray, stage: np.ndarray, pp: i
     `FUSED_LOSS_TRANSIENT` times instead (their gradient is written in place, and only the
     logits' low-precision gradient is new)."""
     loss = loss_rows(facts)
-    largest, held = np.zeros(pp), np.zeros(pp)
-    np.maximum.at(largest, stage, np.where(loss, 0.0, kept))
-    np.maximum.at(held, stage, np.where(loss, kept, 0.0))
+    largest = group_max(np.where(loss, 0.0, kept), stage, pp)
+    held = group_max(np.where(loss, kept, 0.0), stage, pp)
     return np.maximum(2.0 * largest, FUSED_LOSS_TRANSIENT * held)
 
 
@@ -337,8 +355,11 @@ def _rebuilt_peaks_apart(local: np.ndarray, group: np.ndarray, groups: int,
         return out
     delta = np.concatenate([local[rows], -local[rows]])[order]
     owner = np.concatenate([group[rows], group[rows]])[order]
-    for g in np.unique(owner):
-        out[g] = max(0.0, float(np.cumsum(delta[owner == g]).max()))
+    by = np.argsort(owner, kind="stable")  # each group's events, in sweep order
+    owner, delta = owner[by], delta[by]
+    starts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))
+    for start, end in zip(starts, [*starts[1:], len(owner)]):
+        out[owner[start]] = max(0.0, float(np.cumsum(delta[start:end]).max()))
     return out
 
 
@@ -376,7 +397,7 @@ def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flig
     sel_per_stage, sel_transient = _stage_memory(facts, local, stage, pp, RecomputeChoice("selective"), c)
     need = sel_per_stage * flight + sel_transient - room  # bytes to free per stage (> 0 somewhere)
     if len(useful) <= MAX_EXACT_GROUPS:
-        subsets = np.array(list(itertools.product((0, 1), repeat=len(useful))), dtype=float)
+        subsets = _all_subsets(len(useful))
     else:  # greedy prefixes by seconds per byte freed on the fullest stage
         worst = int(np.argmax(need))
         order = sorted(useful, key=lambda i: seconds[i].sum() / max(freed[i, worst], 1.0))
@@ -392,6 +413,14 @@ def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flig
         if fits(choice):
             return choice
     return RecomputeChoice("full")
+
+
+@functools.cache
+def _all_subsets(n: int) -> np.ndarray:
+    """Every subset of n items as 0/1 rows, in `itertools.product` order (read-only)."""
+    out = np.array(list(itertools.product((0, 1), repeat=n)), dtype=float)
+    out.flags.writeable = False
+    return out
 
 
 def _stage_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,
