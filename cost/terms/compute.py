@@ -302,7 +302,17 @@ def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layo
     """The pipeline stage of each block index in ``layer`` (-1 before the blocks, L after)."""
     if layout.pp == 1:
         return np.zeros(np.shape(layer), dtype=int)
-    return slot_stages(facts, cluster, layout)[np.clip(layer, -1, max(facts.n_layers, 0)) + 1]
+    return slot_stages(facts, cluster, layout)[_slot_index(facts, layer)]
+
+
+def _slot_index(facts: StepFacts, layer: np.ndarray) -> np.ndarray:
+    """The slot of each block index in ``layer``; kept for the facts' own node and saved-value
+    columns, which every pricing asks for."""
+    def build() -> np.ndarray:
+        return _read_only(np.clip(layer, -1, max(facts.n_layers, 0)) + 1)
+    if layer is facts.nodes.layer or layer is facts.saved.layer:
+        return facts.cache.get("slot_index", (layer is facts.nodes.layer,), build)
+    return build()
 
 
 def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
