@@ -106,17 +106,19 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
         nbytes = nbytes + np.where(fp8, cast * FP8_CAST_BYTES_PER_INPUT_BYTE, 0.0)
     times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                            cluster.params.gemm_half_scale)
-    if n.is_attention.any() and not gpu.is_cpu:
-        att = n.is_attention & (flops > 0)
+    att = np.flatnonzero(n.is_attention & (flops > 0))
+    if len(att) and not gpu.is_cpu:
+        # each attention at its own keys (a language model's tokens, an image model's patches)
         rate = gpu.peak(compute_dtype(gpu, lay.precision)) * attention_efficiency(
-            gpu, facts.seq / cp, cluster.params.attention_efficiency, compute_dtype(gpu, lay.precision))
-        times = np.where(att, np.maximum(times, flops / rate), times)
+            gpu, n.attention_seq[att] / cp, cluster.params.attention_efficiency, compute_dtype(gpu, lay.precision))
+        times[att] = np.maximum(times[att], flops[att] / rate)
     return times
 
 
-def attention_efficiency(gpu: GPUSpec, seq: float, scale: float, dtype: str = "bf16") -> float:
+def attention_efficiency(gpu: GPUSpec, seq, scale: float, dtype: str = "bf16"):
     """Fraction of the dense peak a flash-attention kernel (forward and backward, causal, its
-    FLOPs counted as the kernel runs them: half the square) reaches at ``seq`` local tokens:
+    FLOPs counted as the kernel runs them: half the square) reaches at ``seq`` local tokens
+    (a number or an array, one per attention node):
 
         eff(s) = scale * e_gemm * s / (s + S_half)
 
