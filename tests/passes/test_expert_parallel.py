@@ -11,6 +11,7 @@ import torch
 from autopar import models
 from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
+from autopar.execution.rewrite import captured_signature
 from autopar.search.step import CapturedStep
 from cost import Cluster
 from passes.expert_parallel import ExpertParallelError, apply_expert_parallel
@@ -41,16 +42,29 @@ def test_all_to_alls_and_local_weights():
 
 
 def _check_rank(graph, gm, rank: int) -> None:
-    paths = apply_expert_parallel(gm, AxisGroup("ep", 2, rank))
-    assert sorted(paths) == [f"layers.{i}.mlp.experts" for i in range(5)]
+    done = apply_expert_parallel(gm, AxisGroup("ep", 2, rank))
+    assert sorted(done.paths) == [f"layers.{i}.mlp.experts" for i in range(5)]
     nodes = list(gm.graph.nodes)
     a2a = [n for n in nodes if n.target == A2A]
     assert len(a2a) == 4 * 5
     assert all(n.meta["autopar"].startswith("EP over 2 ranks") for n in a2a)
-    # the grouped computation reads rows [r m, (r+1) m) of each stacked weight, n times
-    slices = [n for n in nodes if n.target == torch.ops.aten.slice.Tensor and "EP over" in n.meta.get("autopar", "")]
-    assert len(slices) == 5 * 3 and all(tuple(n.args[1:]) == (0, 2 * rank, 2 * rank + 2) for n in slices)
-    assert all(list(u.args[1])[0] == 2 for n in slices for u in n.users)  # repeated over the 2 ranks
+    # the grouped computation reads a stack of this rank's 2 experts' parameters, repeated over
+    # the 2 ranks; the other 2 experts' parameters are no longer graph inputs
+    stacks = [n for n in nodes if n.target == torch.ops.aten.stack.default and "EP over" in n.meta.get("autopar", "")]
+    assert len(stacks) == 5 * 3 and all(len(n.args[0]) == 2 for n in stacks)
+    assert all(list(u.args[1])[0] == 2 for n in stacks for u in n.users)
+    holders = {n.name for n in nodes if n.op == "placeholder"}
+    assert len(done.local) == len(done.dropped) == 5 * 3 * 2
+    assert set(done.local) <= holders and not set(done.dropped) & holders
+    name_of = {node: name for name, node in captured_signature(graph).placeholder_of("param").items()}
+    expert = {name_of[node]: int(name_of[node].split(".experts.")[1].split(".")[0])
+              for node in done.local + done.dropped}
+    assert {e for n, e in expert.items() if n in {name_of[h] for h in done.local}} == {2 * rank, 2 * rank + 1}
+    assert set(expert.values()) == {0, 1, 2, 3}
+    # the dropped experts' gradients are no outputs: None in their places
+    outs = next(n for n in nodes if n.op == "output").args[0]
+    captured = next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]
+    assert sum(o is None for o in outs) - sum(o is None for o in captured) == len(done.dropped)
 
 
 def test_refusals():
