@@ -23,7 +23,12 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture.graph import OutputTree
 from autopar.errors import InputError
-from autopar.execution.evaluation import EvalGraphs, evaluate, refuse_expert_storage, refuse_pipeline
+from autopar.execution.evaluation import (
+    EvalGraphs,
+    evaluate,
+    refuse_expert_storage,
+    refuse_pipeline,
+)
 from autopar.planning.plan import Plan
 from runtime.executor import RankGraph, run_step
 from runtime.pipeline import PipelinePlan
