@@ -280,7 +280,7 @@ def predict(
                                    copied, worst_experts)
     syncs = dp_step_syncs(cluster, lay, facts.counts_tokens)  # the token count, the loss
     dp_exposed, dp_total = dp_exposed + syncs, dp_total + syncs
-    optimizer_s = optimizer_time(cluster, lay, worst_params)
+    optimizer_s = optimizer_time(cluster, lay, worst_params, worst_experts)
 
     step = pipe_total + dp_exposed + optimizer_s
     tokens = facts.batch * facts.seq
