@@ -115,7 +115,8 @@ def _storage(pm, ref, label, ep: int, dp: int) -> list[tuple]:
 
 def _whole_state(pm, ref, label, path: str | None) -> list[tuple]:
     """``full_state_dict`` gathers every expert as the one-device model holds it; a DCP save and
-    load brings every rank's experts back after they are overwritten; eval is refused."""
+    load, and a load of the one-device state dict, bring every rank's experts back after they
+    are overwritten; eval is refused."""
     import torch.distributed.checkpoint as dcp
 
     from autopar.errors import InputError
@@ -136,6 +137,14 @@ def _whole_state(pm, ref, label, path: str | None) -> list[tuple]:
         for name, p in pm.named_parameters():
             if not torch.equal(p.full_tensor(), whole[name]):
                 failures.append((*label, f"{name} not restored by a DCP save and load"))
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.zero_()
+    one_device = ref.state_dict()
+    pm.load_state_dict(one_device)  # one device's whole tensors: each rank takes its experts
+    for name, p in pm.named_parameters():
+        if not torch.equal(p.full_tensor(), one_device[name]):
+            failures.append((*label, f"{name} not loaded from a one-device state dict"))
     pm.eval()
     try:
         pm(*_batch(64))
