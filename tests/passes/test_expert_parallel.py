@@ -98,3 +98,59 @@ def test_what_runs_under_ep():
                          ({"cp": 2}, "context parallelism"), ({"fp8": "all"}, "FP8")):
         (why,) = unsupported_decisions(Layout(dp=2, ep=2, **extra))
         assert "expert parallelism (ep=2) with" in why and words in why, why
+
+
+def test_local_experts_reduced_and_sharded_over_their_owners():
+    """After the EP pass, the DP pass (dp 4, ep 2: the owners of a rank's experts are 2 ranks)
+    reduces the local experts' gradients, and ZeRO gathers their weights, over the owners'
+    group only, every other parameter over the dp group; an owners' group of one rank (ep = dp)
+    gets no collective at all."""
+    from passes.data_parallel import apply_data_parallel
+    from vocab.plan_types import CommPlan, DataParallelPlan
+
+    graph = _captured(layers=2)
+    for owners in (2, 1):
+        gm = copy.deepcopy(graph.gm)
+        done = apply_expert_parallel(gm, AxisGroup("ep", 2, 1))
+        signature = _without(captured_signature(graph), gm, done.dropped)
+        name_of = {node: name for name, node in signature.placeholder_of("param").items()}
+        experts = {name_of[node] for node in done.local}
+        shapes = {n: s for n, s in graph.param_shapes.items() if n in name_of.values()}
+        sharded = frozenset(n for n, s in shapes.items() if s[0] % 4 == 0)
+        apply_data_parallel(gm, signature, shapes, DataParallelPlan(3, sharded, CommPlan()),
+                            AxisGroup("dp", 4, 3), groups=dict.fromkeys(experts, AxisGroup("owners", owners, 1)))
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        for name, index in signature.grad_index.items():
+            group = _first_collective(outs[index])
+            want = ("owners" if owners > 1 else "ep") if name in experts else "dp"
+            assert group == want, (name, group, want)
+        gathers = {n.args[-1] for n in gm.graph.nodes
+                   if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default}
+        assert gathers == ({"dp", "owners"} if owners > 1 else {"dp"})
+
+
+def _first_collective(value) -> str:
+    """The group of the first collective (not a wait) met walking back from ``value``."""
+    seen, todo = set(), [value]
+    while todo:
+        node = todo.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if str(node.target).startswith("_c10d_functional.") and \
+                node.target is not torch.ops._c10d_functional.wait_tensor.default:
+            return node.args[-1]
+        todo.extend(node.all_input_nodes)
+    return ""
+
+
+def _without(signature, gm, dropped):
+    """``signature`` without the dropped placeholders and the gradients the graph no longer
+    returns (as autopar.execution.rewrite does after the EP pass)."""
+    from autopar.execution.rewrite import _signature
+
+    gone = {name for (kind, name), node in zip(signature.inputs, signature.placeholders) if node in set(dropped)}
+    inputs = [i for i, node in zip(signature.inputs, signature.placeholders) if node not in set(dropped)]
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    grads = {n: i for n, i in signature.grad_index.items() if n not in gone and outs[i] is not None}
+    return _signature(gm, inputs, grads, signature.loss_index, signature.buffer_index)
