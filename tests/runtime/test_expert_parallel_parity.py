@@ -6,16 +6,16 @@ top-2 MoE written here (`top2_moe_lm`: 8 SwiGLU experts with biases, every exper
 weighted by its renormalised top-2 gate, results stacked along dim -2), each under two losses
 (the model's mean cross-entropy, and a label-smoothed one over the tokens left after masking
 some labels with -100), with ZeRO and gradient accumulation. 2 ranks (ep2 x dp2 in one group)
-in the default suite; 4 ranks (ep2 in two groups of dp4, whose experts' owners are 2 ranks,
-also with full recompute, and ep4) under ``slow``. The rank's graph holds the all-to-alls
+in the default suite; 4 ranks (ep2 in two groups of dp4, whose experts' owners are 2 ranks
+over which ZeRO 1-3 shard them, also with full recompute, and ep4) under ``slow``. The rank's graph holds the all-to-alls
 (`dump_graph` names them).
 
 Each rank stores only its E/ep experts (`_storage`): its expert parameters are 1/ep of them,
 on the mesh of their dp/ep owners, and every rank's together are the model's; the gradients
 and updated parameters are compared on the rank that holds them (every expert on its owners).
 The user-facing state is whole: ``pm.full_state_dict()`` after training equals the one-device
-model's, a torch.distributed.checkpoint save and load restores every rank's experts, and
-``pm.eval()`` is refused naming the fix; under ``slow`` the ep checkpoint also loads into the
+model's, a torch.distributed.checkpoint save and load and a load of the one-device state dict
+restore every rank's experts, and ``pm.eval()`` is refused naming the fix; under ``slow`` the ep checkpoint also loads into the
 model parallelised without ep.
 """
 
