@@ -264,6 +264,9 @@ def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemo
     if layout.zero == 3 and not layout.reshard and layout.dp * layout.cp > 1:
         per_param += rec.param_bytes  # the forward's gathered weights, kept to the backward
     static = _slot_params(facts, layout) * per_param
+    if layout.ep > 1:  # ZeRO shards the experts over their dp/ep owners only
+        per_expert = sum(model_state_bytes(1.0, rec, layout.zero, layout.dp * layout.cp, 1.0, layout.ep).values())
+        static = static + _slot_params(facts, layout, experts=True) * (per_expert - per_param)
     choice = fixed_choice(facts, layout) if layout.recompute != "auto" else RecomputeChoice("none")
     act, transient = activation_memory(facts, local_saved_bytes(facts, cluster, layout),
                                        np.clip(facts.saved.layer, -1, n) + 1, n + 2, choice)
@@ -276,12 +279,13 @@ def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemo
                        float(static[-1]), float(act[-1]), flight, cluster.gpu.memory_bytes - shared)
 
 
-def _slot_params(facts: StepFacts, lay: Layout) -> np.ndarray:
+def _slot_params(facts: StepFacts, lay: Layout, experts: bool = False) -> np.ndarray:
     """Parameters each slot holds on one device after TP and EP sharding (a tied embedding on
-    both ends)."""
-    slots, weights, shared = _param_slots(facts, lay)
-    out = np.bincount(slots, weights=weights, minlength=max(facts.n_layers, 0) + 2).astype(float)
-    for local, where in shared:
+    both ends); ``experts``: the experts' part only."""
+    slots, weights, shared, expert = _param_slots(facts, lay)
+    out = np.bincount(slots, weights=expert if experts else weights,
+                      minlength=max(facts.n_layers, 0) + 2).astype(float)
+    for local, where in () if experts else shared:
         out[where] += local
     return out
 
@@ -318,38 +322,54 @@ def _slot_index(facts: StepFacts, layer: np.ndarray) -> np.ndarray:
 
 
 def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
-    """Parameters held by each pipeline stage after TP sharding (memoised). Expert parallelism
-    keeps every expert's parameters on every rank (passes/expert_parallel.py): not divided by ep."""
+    """Parameters held by each pipeline stage after TP and EP sharding (memoised): under ep each
+    rank stores E/ep of every list's experts (passes/expert_parallel.py)."""
     stage_map = slot_stages(facts, cluster, lay)
 
     def build() -> np.ndarray:
-        slots, weights, shared = _param_slots(facts, lay)
+        slots, weights, shared, _ = _param_slots(facts, lay)
         out = np.bincount(stage_map[slots], weights=weights, minlength=lay.pp).astype(float)
         for local, where in shared:
             for s in set(stage_map[where].tolist()):
                 out[s] += local  # a tied embedding lives on the first and the last stage
         return out
-    return facts.cache.get("stage_params", (lay.tp, lay.pp, stage_map.tobytes()), build)
+    return facts.cache.get("stage_params", (lay.tp, lay.ep, lay.pp, stage_map.tobytes()), build)
 
 
-def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list]:
-    """Each parameter's local size (after TP sharding; experts whole under ep) by the slots that
-    use it: the one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a
-    list of (size, slots); memoised per tp."""
+def expert_params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
+    """The experts' part of `params_per_stage` (EP-local: / tp where TP-sharded, / ep), whose
+    gradients are reduced, and ZeRO-sharded, over their owners' dp/ep ranks; 0 at ep 1."""
+    if lay.ep == 1:
+        return np.zeros(lay.pp)
+    stage_map = slot_stages(facts, cluster, lay)
 
-    def build() -> tuple[np.ndarray, np.ndarray, list]:
+    def build() -> np.ndarray:
+        slots, _, _, experts = _param_slots(facts, lay)
+        return np.bincount(stage_map[slots], weights=experts, minlength=lay.pp).astype(float)
+    return facts.cache.get("stage_params", ("experts", lay.tp, lay.ep, lay.pp, stage_map.tobytes()), build)
+
+
+def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+    """Each parameter's local size (after TP and EP sharding) by the slots that use it: the
+    one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a list of
+    (size, slots), and the one-slot sizes' expert part (the size for an expert, else 0);
+    memoised per (tp, ep)."""
+
+    def build() -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
         params, n = facts.params, max(facts.n_layers, 0)
-        slots, weights, shared = [], [], []
+        slots, weights, shared, experts = [], [], [], []
         for name, numel in params.numel.items():
-            local = numel / (lay.tp if params.tp_sharded[name] else 1)
+            local = numel / (lay.tp if params.tp_sharded[name] else 1) / (lay.ep if params.expert[name] else 1)
             where = sorted({int(np.clip(layer, -1, n)) + 1 for layer in params.stages_layer[name]})
             if len(where) == 1:
                 slots.append(where[0])
                 weights.append(local)
+                experts.append(local if params.expert[name] else 0.0)
             else:
                 shared.append((local, np.array(where)))
-        return np.array(slots, dtype=int), np.array(weights, dtype=float), shared
-    return facts.cache.get("param_slots", (lay.tp,), build)
+        return (np.array(slots, dtype=int), np.array(weights, dtype=float), shared,
+                np.array(experts, dtype=float))
+    return facts.cache.get("param_slots", (lay.tp, lay.ep), build)
 
 
 def node_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
