@@ -254,7 +254,7 @@ def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndar
             local * np.isin(stage, [s for s in range(pp) if choices[s] == choice])
         kept = framework_kept(facts, mine * cols.kept, choice, block_input)
         per_stage += np.bincount(stage, weights=kept, minlength=pp)
-        # only the largest stage's counts (below): the step's own largest, one group is exact
+        # the step's largest transient counts on every stage (`.max()` below): one group, same value
         transient = np.maximum(transient, transient_bytes(facts, kept, np.zeros_like(stage), 1))
         rebuilt = np.maximum(rebuilt, rebuilt_peaks(mine, cols.rebuilt, facts.saved.layer, stage, pp,
                                                     choice_sweep(facts, choice)))
@@ -366,7 +366,8 @@ def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flig
 
     ``cache``: a dict the caller keeps per (``local``, ``stage``, ``node_stage``, ``times``,
     ``stage_base_s``): it holds what is computed here from those alone (each choice's saved
-    and transient bytes, each group's bytes freed and seconds added), so that layouts that
+    and transient bytes, each group's bytes freed and seconds added, the subsets ranked by
+    their seconds), so that layouts that
     differ only in ``room`` and ``flight`` (ZeRO, schedule) share them; the same values."""
     pp = len(room)
     c = cache if cache is not None else {}
