@@ -5,7 +5,8 @@ zoo Mixtral (4 experts, 5 layers: the capture repeats the middle block) and a pl
 top-2 MoE written here (`top2_moe_lm`: 8 SwiGLU experts with biases, every expert on every token
 weighted by its renormalised top-2 gate, results stacked along dim -2), each under two losses
 (the model's mean cross-entropy, and a label-smoothed one over the tokens left after masking
-some labels with -100), with ZeRO and gradient accumulation. 2 ranks (ep2 x dp2 in one group)
+some labels with -100), with ZeRO and gradient accumulation, and the solver's own plan for the
+zoo Mixtral (on a fixed CPU profile it picks ep2). 2 ranks (ep2 x dp2 in one group)
 in the default suite; 4 ranks (ep2 in two groups of dp4, whose experts' owners are 2 ranks
 over which ZeRO 1-3 shard them, also with full recompute, and ep4) under ``slow``. The rank's graph holds the all-to-alls
 (`dump_graph` names them).
@@ -185,8 +186,17 @@ def _worker(rank: int, world: int, runs: list[tuple], path: str | None = None,
         ref = copy.deepcopy(model)
         batch = _batch(vocab, mask=smoothed)
         loss_fn = masked_smoothed if smoothed else None
-        pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees),
-                                 loss_fn=loss_fn)
+        if degrees == "solver":  # the solver's own plan, on a fixed CPU profile: it picks ep
+            plan = autopar.plan(model, batch, loss_fn=loss_fn,
+                                cluster=autopar.Cluster("cpu", nodes=1, gpus_per_node=world))
+            degrees = {"dp": plan.layout.dp, "ep": plan.layout.ep}
+            if plan.layout.ep == 1:
+                failures.append((name, plan.layout.short(), "the solver did not pick ep"))
+                continue
+            pm = autopar.parallelize(model, world, example_inputs=batch, plan=plan)
+        else:
+            pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees),
+                                     loss_fn=loss_fn)
         label = (name, pm.plan.layout.short(), "masked smoothed CE" if smoothed else "mean CE")
         failures += contract(pm, label)
         dump = pm.dump_graph()
@@ -224,7 +234,7 @@ class _Ref(nn.Module):
 
 
 def test_ep2_matches_one_device(tmp_path):
-    runs = [("tiny-mixtral", {"dp": 2, "ep": 2}, False),
+    runs = [("tiny-mixtral", "solver", False),  # the solver's plan: dp2 ep2
             ("tiny-mixtral", {"dp": 2, "ep": 2, "zero": 3}, True),
             ("top2-moe", {"dp": 2, "ep": 2, "zero": 1, "grad_accum": 2}, False),
             ("top2-moe", {"dp": 2, "ep": 2, "zero": 2}, True)]
