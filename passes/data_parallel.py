@@ -109,7 +109,6 @@ def apply_data_parallel(
     if partial < 1 or n % partial:
         raise ValueError(f"partial={partial} must divide the group's {n} ranks")
     slices = n // partial  # slices of the batch the group's gradients average over
-    reduce_scatter = plan.comm.reduce_scatter
     groups = dict(groups or {})
     solo = {name for name, g in groups.items() if g.size == 1}  # whole on their only owner
 
@@ -127,27 +126,9 @@ def apply_data_parallel(
     sharded = set(plan.sharded) - solo
     accumulated = _accumulator_inputs(graph, grads, loss_index, output) if sync == "accumulated" else {}
 
-    last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
-    with graph.inserting_after(last_input):
-        scaled = _node(graph, aten.mul.Tensor, (nodes[seed], 1.0 / slices),
-                       f"DP: seed gradient / {slices}, so that the summed gradients are the mean"
-                       + (f" (the {n} ranks hold {slices} slices' partial sums over cp)" if partial > 1 else ""))
-    # the backward reads the scaled seed; the reported loss's weight stays (averaged below)
-    nodes[seed].replace_all_uses_with(
-        scaled, delete_user_cb=lambda user: user is not scaled and not user.meta.get(WEIGHTS_LOSS))
+    _scale_seed(graph, nodes[seed], slices, partial, n)
     outs = list(output.args[0])
-
-    # weights: the graph input becomes rank i's rows; gather them before use
-    order = sorted(sharded, key=lambda p: list(params).index(p))
-    shards = {p: nodes[params[p]] for p in order}
-    reshard = zero == 3 and plan.comm.reshard_after_forward
-    if reshard:
-        _unshare_weight_views(graph, shards.values())
-    if zero:
-        _gather_per_block(graph, order, shards, group_of, zero, plan.comm)
-    for name in order:
-        nodes[params[name]].meta["autopar"] = f"ZeRO-{zero}: rank's rows of {name}"
-
+    _shard_weights(graph, nodes, params, sharded, zero, plan.comm, group_of)
     if sync == "none":  # a micro-batch before the last: gradients and loss stay local
         _name_group(graph, before, partial, n)
         graph.lint()
@@ -166,20 +147,9 @@ def apply_data_parallel(
         present[name] = total
     for name in solo & set(present):  # already the sum over the only owner's ep group
         outs[grads[name]] = present.pop(name)
-    buckets = _buckets(graph, present, sharded, plan.comm, group_of)
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    lasts = [max((present[name] for name in b), key=order.__getitem__) for b in buckets]
-    for k, bucket in enumerate(buckets):
-        # a sharded bucket's whole, unreduced buffer is freed at its wait: wait for it when the
-        # next bucket is issued (one in flight, as FSDP does), or ZeRO-2/3 would hold every
-        # gradient whole until the end of the step; a whole (DP) gradient is kept anyway
-        later = [lasts[j] for j in range(k + 1, len(buckets)) if order[lasts[j]] > order[lasts[k]]]
-        wait_at = later[0].next if bucket[0] in sharded and later else output
-        g = group_of(bucket[0])
-        reduced = _reduce_bucket(graph, bucket, present, sharded, zero, g.size, g.name, wait_at, g.rank,
-                                 reduce_scatter)
-        for name, value in reduced.items():
-            outs[grads[name]] = value
+    reduced = _reduce_gradients(graph, present, sharded, plan, group_of, output)
+    for name, value in reduced.items():
+        outs[grads[name]] = value
     with graph.inserting_before(output):
         loss = _collective(
             graph, c10d.all_reduce.default, (outs[loss_index], "sum", group_name),
@@ -190,6 +160,51 @@ def apply_data_parallel(
     _name_group(graph, before, partial, n)
     graph.lint()
     gm.recompile()
+
+
+def _scale_seed(graph: fx.Graph, seed: fx.Node, slices: int, partial: int, n: int) -> None:
+    """The backward reads the seed gradient / ``slices`` (the summed gradients are the mean);
+    the reported loss's weight keeps the seed (the loss is averaged apart)."""
+    last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
+    with graph.inserting_after(last_input):
+        scaled = _node(graph, aten.mul.Tensor, (seed, 1.0 / slices),
+                       f"DP: seed gradient / {slices}, so that the summed gradients are the mean"
+                       + (f" (the {n} ranks hold {slices} slices' partial sums over cp)" if partial > 1 else ""))
+    seed.replace_all_uses_with(
+        scaled, delete_user_cb=lambda user: user is not scaled and not user.meta.get(WEIGHTS_LOSS))
+
+
+def _shard_weights(graph: fx.Graph, nodes: dict, params: dict, sharded: set[str], zero: int,
+                   comm, group_of) -> None:
+    """ZeRO: each sharded weight's graph input becomes the rank's rows, gathered before use."""
+    order = sorted(sharded, key=lambda p: list(params).index(p))
+    shards = {p: nodes[params[p]] for p in order}
+    if zero == 3 and comm.reshard_after_forward:
+        _unshare_weight_views(graph, shards.values())
+    if zero:
+        _gather_per_block(graph, order, shards, group_of, zero, comm)
+    for name in order:
+        nodes[params[name]].meta["autopar"] = f"ZeRO-{zero}: rank's rows of {name}"
+
+
+def _reduce_gradients(graph: fx.Graph, present: dict[str, fx.Node], sharded: set[str],
+                      plan: DataParallelPlan, group_of, output: fx.Node) -> dict[str, fx.Node]:
+    """Each gradient in ``present`` reduced in buckets over its group (`_reduce_bucket`):
+    parameter name -> the reduced value (the rank's rows where the weight is sharded)."""
+    buckets = _buckets(graph, present, sharded, plan.comm, group_of)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    lasts = [max((present[name] for name in b), key=order.__getitem__) for b in buckets]
+    out: dict[str, fx.Node] = {}
+    for k, bucket in enumerate(buckets):
+        # a sharded bucket's whole, unreduced buffer is freed at its wait: wait for it when the
+        # next bucket is issued (one in flight, as FSDP does), or ZeRO-2/3 would hold every
+        # gradient whole until the end of the step; a whole (DP) gradient is kept anyway
+        later = [lasts[j] for j in range(k + 1, len(buckets)) if order[lasts[j]] > order[lasts[k]]]
+        wait_at = later[0].next if bucket[0] in sharded and later else output
+        g = group_of(bucket[0])
+        out.update(_reduce_bucket(graph, bucket, present, sharded, plan.zero, g.size, g.name, wait_at,
+                                  g.rank, plan.comm.reduce_scatter))
+    return out
 
 
 def _name_group(graph: fx.Graph, before: set, partial: int, n: int) -> None:
