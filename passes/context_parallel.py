@@ -35,7 +35,10 @@ collectives over ranks holding the same positions): those collectives run on the
 with their cp placement, and the ring runs on the rank's heads. Tokens flattened from
 [batch, seq] are a `_StridedShard` over cp, which DTensor's element-wise, ``gather`` and
 ``index_put`` rules do not take: the pass runs those ops on the rank's tokens itself, values of
-the data of the same shape sliced alike. Under `autopar.parallelize` the gradients leave as
+the data of the same shape sliced alike. Under TP's sequence parallelism SP splits the CP
+rank's sequence over tp, cp outer and tp inner: SP's split and concatenation run on the rank's
+local sequence, so its all-gather rebuilds the rank's chunks for the ring
+(`passes.cp_sequence_parallel`). Under `autopar.parallelize` the gradients leave as
 partial sums (``reduce_grads=False``) and the data-parallel pass reduces them over dp x cp.
 
 Cross-entropy's mean over tokens (nll_loss over [tokens, C], nll_loss2d over [N, C, d1, ...]:
@@ -63,7 +66,14 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from passes.cp_balance import ZigzagError, zigzag_shards
-from passes.cp_sequence_parallel import SequenceParallelError, SequenceRegion, is_sp_cat, is_sp_split, sp_cat, sp_split
+from passes.cp_sequence_parallel import (
+    SequenceParallelError,
+    SequenceRegion,
+    is_sp_cat,
+    is_sp_split,
+    sp_cat,
+    sp_split,
+)
 from passes.tensor_parallel import (
     _COLLECTIVE_PREFIX,
     TensorParallelError,

@@ -159,19 +159,22 @@ class SequenceRegion:
         return any(a in self.nodes for a in node.all_input_nodes)
 
     def rank_inputs(self, node: fx.Node, env, data: set[str], where: str) -> dict:
-        """Before ``node`` runs on SP blocks: its values of the data (ids, masks) the TP pass
-        sliced into its TP rank's block of the global sequence (split(x, S/t, s)[j], Megatron-SP's
-        embedding backward reading its tokens' ids) as block j of the CP rank's sequence
-        instead, returned by node (a local slice, no communication). Any other value of the data
-        would meet the blocks by its global positions, not the rank's: refused."""
+        """Before ``node`` runs on SP blocks: the values the TP pass sliced into its TP rank's
+        block of the global sequence (split(x, S/t, s)[j]: the token ids Megatron-SP's embedding
+        backward reads, a position embedding added in the SP region) as block j of the CP rank's
+        sequence instead, returned by node (a local slice of x whole, or of x's own positions
+        where x is split over cp already; no communication). Any other value of the data would
+        meet the blocks by its global positions, not the rank's: refused."""
         if not any(a in self.nodes and _split_value(env.get(a)) for a in node.all_input_nodes):
             return {}
         out = {}
         for arg in node.all_input_nodes:
             value = env.get(arg)
-            if arg.name not in data or not isinstance(value, DTensor) or value.numel() <= 1:
+            if arg in self.nodes or not isinstance(value, DTensor) or value.numel() <= 1:
                 continue
             piece = _data_piece(arg)
+            if piece is None and arg.name not in data:
+                continue  # a weight, or a value of the rank's own positions
             if piece is None:
                 raise SequenceParallelError(
                     f"cp={self.cp}: {node.target} ({node}) {where} combines a value of the data ({arg}) "
@@ -180,10 +183,16 @@ class SequenceRegion:
                     "dependent values outside the sequence-parallel region")
             source, dim, size, index = piece
             whole = env[source]
-            if not whole.placements[0].is_replicate():
-                raise SequenceParallelError(f"cp={self.cp}: {source} ({arg}'s source) {where} is not whole")
-            with _why(f"CP: this rank's tokens of {source}, TP's block {index} of them (a local slice)"):
-                local = whole.redistribute(whole.device_mesh, [Shard(dim)]).to_local()
+            if list(whole.placements) == [Shard(dim)]:  # already the rank's positions
+                local = whole.to_local()
+            elif whole.placements[0].is_replicate():
+                with _why(f"CP: this rank's tokens of {source}, TP's block {index} of them (a local slice)"):
+                    local = whole.redistribute(whole.device_mesh, [Shard(dim)]).to_local()
+            else:
+                raise SequenceParallelError(
+                    f"cp={self.cp}: {node.target} ({node}) {where} reads TP's sequence block of {source}, "
+                    f"which is placed {whole.placements[0]} over cp (neither whole nor split on its "
+                    "sequence); use sp=False with cp")
             parts = whole.shape[dim] // size
             if local.shape[dim] % parts:
                 raise SequenceParallelError(
