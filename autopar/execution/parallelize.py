@@ -197,8 +197,9 @@ def parallelize(
     module = copy.deepcopy(model)
     held = state.pipeline.params if state.pipeline else None
     params_mesh = mesh
-    if lay.cp > 1:  # parameters are replicated over cp: each cp rank's copy on its (dp, tp) mesh,
-        # ZeRO shards them over the dp x cp ranks
+    if lay.cp > 1 and lay.pp == 1:  # parameters are replicated over cp: each cp rank's copy on
+        # its (dp, tp) mesh, ZeRO shards them over the dp x cp ranks (a pipeline's stage holds its
+        # parameters on the (dp, tp) mesh of its stage, replicated over cp)
         params_mesh = dp_cp_mesh(mesh) if lay.zero else mesh["dp", "tp"]
         mesh = mesh["dp", "tp"]
     unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held)
@@ -268,9 +269,9 @@ def _check_call(model: nn.Module, mesh, example_inputs, loss_reduction: str) -> 
 
 def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> DeviceMesh:
     """A ("dp", "tp") mesh for the layout, ("dp", "pp", "tp") under a pipeline, ("dp", "cp",
-    "tp") under context parallelism (the playbook's rank order: TP innermost, in a node): the
-    user's, if it already has that shape."""
-    names = ("dp", "pp", "tp") if layout.pp > 1 else ("dp", "cp", "tp") if layout.cp > 1 else ("dp", "tp")
+    "tp") under context parallelism, ("dp", "pp", "cp", "tp") under both (the playbook's rank
+    order: TP innermost, in a node): the user's, if it already has that shape."""
+    names = ("dp",) + (("pp",) if layout.pp > 1 else ()) + (("cp",) if layout.cp > 1 else ()) + ("tp",)
     shape = tuple(getattr(layout, n) for n in names)
     if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == names and tuple(mesh.shape) == shape:
         return mesh

@@ -177,5 +177,6 @@ def test_what_cp_runs_with_and_what_it_refuses():
     assert unsupported_decisions(Layout(cp=2, tp=2, dp=2, zero=1)) == []
     assert unsupported_decisions(Layout(cp=2, tp=2, sp=True)) == []
     assert unsupported_decisions(Layout(cp=2, tp=2, dp=2, sp=True, zero=3)) == []
-    (words,) = unsupported_decisions(Layout(cp=2, pp=2))
-    assert "pipelines (pp=2)" in words
+    assert unsupported_decisions(Layout(cp=2, pp=2, grad_accum=2)) == []
+    (words,) = unsupported_decisions(Layout(cp=2, pp=2, zero=1, grad_accum=2))
+    assert "zero=1" in words and "pipeline (pp=2" in words and "use zero=0" in words
