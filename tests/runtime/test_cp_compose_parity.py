@@ -89,15 +89,25 @@ def test_cp2_tp2():
 @pytest.mark.slow
 def test_cp2_tp2_sp():
     """4 ranks: cp2 x tp2 with sequence parallelism (SP splits each CP rank's sequence over
-    tp): tiny-llama and the GQA model's two losses; then contiguous cp blocks with ZeRO-1."""
+    tp): tiny-llama and the GQA model's two losses, tiny-gpt2; then contiguous cp blocks with
+    ZeRO-1."""
     results = spawn(_cp_sp_work, 4, timeout_s=900)
     assert all(r == [] for r in results), [r for r in results if r]
 
 
+def _gpt2_case():
+    from autopar import models
+
+    yield "tiny-gpt2", (lambda: models.build("tiny-gpt2", seed=3)), models.example_inputs("tiny-gpt2", batch=4, seq=16)
+
+
 def _cp_sp_work(rank: int, world: int) -> list[tuple]:
+    """Also tiny-gpt2: its learned positions are added inside the SP region (TP slices them to
+    its block, taken from the CP rank's positions) and its qkv is one fused projection."""
     failures = (_compose_worker(rank, world, [{"cp": 2, "tp": 2, "sp": True}])
                 + _compose_worker(rank, world, [{"cp": 2, "tp": 2, "sp": True, "cp_balance": False, "zero": 1}],
-                                  ("gqa-lm/mean",)))
+                                  ("gqa-lm/mean",))
+                + cp_parity_failures(world, _gpt2_case, [{"cp": 2, "tp": 2, "sp": True}]))
     return _cp_sp_filtered(failures)
 
 
