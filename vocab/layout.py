@@ -289,16 +289,12 @@ def unsupported_decisions(layout: Layout) -> list[str]:
         # ZeRO 1-3 (sharded over the dp x cp ranks, as the cost model prices it), TP (ring
         # attention on the rank's heads), TP+SP (SP splits the CP rank's sequence over tp:
         # passes/cp_sequence_parallel.py), pipelines (gradients all-reduced over cp in the
-        # graph) and recompute; not yet composed with these. A pipeline's ZeRO-1 shards over
-        # the dp ranks, not the dp x cp ranks the cost model prices
+        # graph; ZeRO-1's rows over the dp x cp ranks) and recompute; not yet composed with FP8
         with_cp = [what for what, on in (
-            (f"a sharded optimizer (zero={layout.zero}) inside a pipeline (pp={layout.pp}; use zero=0)",
-             layout.pp > 1 and layout.zero >= 1),
-            (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8")) if on]
+            (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8"),) if on]
         if with_cp:
             out.append(f"context parallelism (cp={layout.cp}) with " + ", ".join(with_cp)
-                       + " (cp runs with data parallelism, ZeRO, TP with or without SP, and pipelines "
-                       "without ZeRO only)")
+                       + " (cp runs with data parallelism, ZeRO, TP with or without SP, and pipelines only)")
     if layout.ep > 1:
         # the experts over ep consecutive dp ranks with all-to-alls (passes/expert_parallel.py),
         # with DP and ZeRO 0-3; not yet composed with these

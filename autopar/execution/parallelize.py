@@ -202,6 +202,8 @@ def parallelize(
         # parameters on the (dp, tp) mesh of its stage, replicated over cp)
         params_mesh = dp_cp_mesh(mesh) if lay.zero else mesh["dp", "tp"]
         mesh = mesh["dp", "tp"]
+    elif lay.cp > 1 and lay.zero:  # a pipeline's ZeRO-1 rows over the dp x cp ranks
+        params_mesh = dp_cp_mesh(mesh)
     unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in state.signature.placeholder_of("param") if held is None or p in held]
@@ -214,6 +216,11 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
     """What the executor runs on this rank: the rewritten graph, what feeds it and reads it."""
     lay, signature = state.layout, state.signature
     inputs = list(signature.inputs) + state.accum_inputs
+    dp, group = lay.dp, state.mesh["dp"].get_group() if lay.dp > 1 else None
+    if lay.pp > 1 and lay.cp > 1 and lay.zero:
+        # ZeRO-1 in a pipeline under cp: the step's gradients (all-reduced over cp in the graph)
+        # averaged over the dp x cp ranks after the schedule, each keeping its rows
+        dp, group = lay.dp * lay.cp, dp_cp_mesh(state.mesh)["dp"].get_group()
     return RankGraph(
         gm=state.gm,
         inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
@@ -223,8 +230,8 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
         accumulate_gm=state.accumulate_gm,
         buffer_index=signature.buffer_index,
         reduction=state.reduction,
-        dp=lay.dp,
-        dp_group=state.mesh["dp"].get_group() if lay.dp > 1 else None,
+        dp=dp,
+        dp_group=group,
         pipeline=state.pipeline,
         other_index=list(state.others),
     )

@@ -178,5 +178,24 @@ def test_what_cp_runs_with_and_what_it_refuses():
     assert unsupported_decisions(Layout(cp=2, tp=2, sp=True)) == []
     assert unsupported_decisions(Layout(cp=2, tp=2, dp=2, sp=True, zero=3)) == []
     assert unsupported_decisions(Layout(cp=2, pp=2, grad_accum=2)) == []
-    (words,) = unsupported_decisions(Layout(cp=2, pp=2, zero=1, grad_accum=2))
-    assert "zero=1" in words and "pipeline (pp=2" in words and "use zero=0" in words
+    assert unsupported_decisions(Layout(cp=2, pp=2, zero=1, grad_accum=2)) == []
+    (words,) = unsupported_decisions(Layout(cp=2, pp=2, zero=2, grad_accum=2))  # as without cp
+    assert "ZeRO-2 inside a pipeline" in words
+    (words,) = unsupported_decisions(Layout(cp=2, fp8="all"))
+    assert "FP8" in words and "cp=2" in words
+
+
+def test_dp_cp_mesh_of_a_pipeline():
+    """The ("dp", "pp", "cp", "tp") mesh's dp x cp flattening: rank (d, p, c, t) on dp row
+    d * cp + c of the ("dp", "pp", "tp") mesh, its pipeline and TP coordinates kept."""
+    from runtime.mesh import dp_cp_mesh
+
+    with fake_world(16, rank=0):
+        mesh = init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=("dp", "pp", "cp", "tp"))
+        flat = dp_cp_mesh(mesh)
+        assert flat.mesh_dim_names == ("dp", "pp", "tp") and tuple(flat.shape) == (4, 2, 2)
+        for d, p, c, t in ((0, 0, 1, 0), (1, 1, 0, 1), (1, 0, 1, 1)):
+            assert int(flat.mesh[d * 2 + c, p, t]) == int(mesh.mesh[d, p, c, t])
+        assert dp_cp_mesh(mesh) is flat
+        with pytest.raises(ValueError, match="dp_cp_mesh needs"):
+            dp_cp_mesh(mesh["dp", "pp", "tp"])

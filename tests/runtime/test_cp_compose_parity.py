@@ -122,10 +122,10 @@ def _cp_sp_filtered(failures: list[tuple]) -> list[tuple]:
 def test_cp2_pp2():
     """4 ranks: cp2 x pp2 (ring attention inside each stage, the gradients all-reduced over cp in
     the stage's graph): 1F1B over 2 micro-batches for tiny-llama and the GQA model's two losses,
-    then GPipe over 4 with contiguous cp blocks; a model whose tied weights span the stages is
-    refused by name."""
+    then GPipe over 4 with contiguous cp blocks and ZeRO-1 (rows over the dp x cp ranks); a
+    model whose tied weights span the stages is refused by name."""
     layouts = [{"cp": 2, "pp": 2, "grad_accum": 2}]
-    contiguous = [{"cp": 2, "pp": 2, "grad_accum": 4, "schedule": "afab", "cp_balance": False}]
+    contiguous = [{"cp": 2, "pp": 2, "grad_accum": 4, "schedule": "afab", "cp_balance": False, "zero": 1}]
     results = spawn(_cp_pp_work, 4, args=(layouts, contiguous), timeout_s=900)
     assert all(r == [] for r in results), [r for r in results if r]
 
