@@ -145,3 +145,13 @@ def _cp_pp_work(rank: int, world: int, layouts: list[dict], contiguous: list[dic
         if "tied weights" not in str(exc) or "embed.weight" not in str(exc):
             failures.append(("tiny-gpt2", str(exc)))
     return failures
+
+
+@pytest.mark.slow
+def test_cp2_tp2_sp_pp2_zero1():
+    """8 ranks: the composition the solver picks for llama3-405b on 512 nodes in miniature:
+    cp2 x tp2+SP x pp2 with ZeRO-1 (rows over the dp x cp ranks) and the zero-bubble schedule,
+    tiny-llama and the GQA model's mean."""
+    layout = {"cp": 2, "tp": 2, "sp": True, "pp": 2, "grad_accum": 2, "schedule": "zero-bubble", "zero": 1}
+    results = spawn(_compose_worker, 8, args=([layout], ("tiny-llama", "gqa-lm/mean")), timeout_s=1200)
+    assert all(r == [] for r in results), [r for r in results if r]
