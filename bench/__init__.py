@@ -48,4 +48,6 @@ BENCHES: dict[str, Bench] = {
                        "format_published_bench", _quick),
     "recompute": Bench("bench.recompute", "run_recompute_bench",
                        "format_recompute_bench", _quick),
+    "overlap-probe": Bench("bench.overlap_probe", "run_overlap_probe", "format_overlap_probe",
+                           _quick, "whether this machine's ranks hide an all-reduce behind matmuls"),
 }

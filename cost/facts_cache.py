@@ -23,7 +23,7 @@ T = TypeVar("T")
 Kind = Literal[
     "times", "fp8_choice", "one_chunk", "chunk_map", "chunk_map_memory", "stage_map",
     "stage_params", "param_slots", "block_params", "local_saved", "columns", "rebuilt_sweep",
-    "recompute_choices", "knapsack", "tp_comm", "tp_small_sites",
+    "recompute_choices", "knapsack", "tp_comm", "tp_small_sites", "slot_index",
 ]
 
 # kind -> what its value is (the module that builds it)
@@ -44,10 +44,11 @@ KINDS: dict[str, str] = {
     "knapsack": "a stage's knapsack inputs (terms.recompute.knapsack_choice's cache)",
     "tp_comm": "exposed and hidden TP seconds per stage (terms.tensor_parallel.tp_comm)",
     "tp_small_sites": "the replicated block weights SP all-reduces (terms.tensor_parallel)",
+    "slot_index": "the slot of each row of a facts table's block column (terms.compute.stage_of)",
 }
 # the kinds that depend on the graph and the layout's degrees only, never on the cluster
 GRAPH_ONLY = frozenset({"block_params", "tp_small_sites", "columns", "rebuilt_sweep",
-                        "param_slots", "one_chunk"})
+                        "param_slots", "one_chunk", "slot_index"})
 
 
 class FactsCache:

@@ -25,7 +25,8 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def model_state_bytes(
-    n_params_local: float, recipe: PrecisionRecipe, zero: int, dp: int
+    n_params_local: float, recipe: PrecisionRecipe, zero: int, dp: int,
+    n_expert_local: float = 0.0, ep: int = 1,
 ) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state on one device.
 
@@ -33,19 +34,23 @@ def model_state_bytes(
     "grads" includes the fp32 accumulation buffer; "optimizer" the fp32 master weights and
     Adam's m and v. ZeRO-1 shards the optimizer over ``dp``, ZeRO-2 also the grads, ZeRO-3 also
     the parameters (playbook: 2Ψ+2Ψ+kΨ/N_d, 2Ψ+(2Ψ+kΨ)/N_d, (2Ψ+2Ψ+kΨ)/N_d with k = 12).
+    n_expert_local: the part of n_params_local that is experts' (E/ep of them on a rank under
+    expert parallelism): ZeRO shards those over their owners, the dp/ep ranks that store the
+    same experts, so a ZeRO-sharded state counts Ψ_dense/N_d + Ψ_expert,local/(N_d/ep).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero!r}: ZeRO stage must be 0, 1, 2 or 3")
     if dp < 1 or n_params_local < 0:
         raise ValueError(f"dp={dp} must be >= 1 and n_params_local={n_params_local} >= 0")
-    params = n_params_local * recipe.param_bytes
-    grads = n_params_local * (recipe.grad_bytes + recipe.grad_accum_bytes)
-    optimizer = n_params_local * (recipe.master_bytes + recipe.optimizer_bytes)
-    return {
-        "params": params / dp if zero >= 3 else params,
-        "grads": grads / dp if zero >= 2 else grads,
-        "optimizer": optimizer / dp if zero >= 1 else optimizer,
-    }
+    if not 0 <= n_expert_local <= n_params_local or ep < 1 or dp % ep:
+        raise ValueError(f"n_expert_local={n_expert_local} must be within n_params_local="
+                         f"{n_params_local}, and ep={ep} must divide dp={dp}")
+    # parameters counted once per ZeRO shard: the dense ones over dp, the experts over dp/ep
+    sharded = (n_params_local - n_expert_local) / dp + n_expert_local * ep / dp
+    per_param = {"params": recipe.param_bytes, "grads": recipe.grad_bytes + recipe.grad_accum_bytes,
+                 "optimizer": recipe.master_bytes + recipe.optimizer_bytes}
+    stage = {"params": 3, "grads": 2, "optimizer": 1}  # the ZeRO stage that shards each
+    return {k: (sharded if zero >= stage[k] else n_params_local) * b for k, b in per_param.items()}
 
 
 def activation_bytes_formula(

@@ -45,6 +45,7 @@ from cost.terms.compute import (
     FP8_CAST_BYTES_PER_INPUT_BYTE,
     FRAMEWORK_EFFICIENCY,
     compute_per_stage,
+    expert_params_per_stage,
     fp8_candidates,
     host_bound,
     host_overhead_per_stage,
@@ -65,6 +66,7 @@ from cost.terms.pipeline_parallel import loss_broadcast, p2p_time, pipeline_time
 from cost.terms.recompute import (
     columns,
     fixed_choice,
+    group_max,
     knapsack_choice,
     local_block_input_bytes,
     local_saved_bytes,
@@ -268,6 +270,7 @@ def predict(
     pipe_total += loss_broadcast(cluster, lay)
     params_stage = params_per_stage(facts, cluster, lay)
     worst_params = float(params_stage.max())
+    worst_experts = float(expert_params_per_stage(facts, cluster, lay)[int(np.argmax(params_stage))])
     # the blocks' weights are gathered several to a buffer and copied out; a model without
     # numbered blocks is gathered in pieces of several weights: all of it
     copied = worst_params if facts.n_layers == 0 else \
@@ -275,10 +278,10 @@ def predict(
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),
                                    float(bwd[slowest]), float(recomp[slowest]),
                                    float(tp_hidden_fwd[slowest]), float(tp_hidden_bwd[slowest]),
-                                   copied)
+                                   copied, worst_experts)
     syncs = dp_step_syncs(cluster, lay, facts.counts_tokens)  # the token count, the loss
     dp_exposed, dp_total = dp_exposed + syncs, dp_total + syncs
-    optimizer_s = optimizer_time(cluster, lay, worst_params)
+    optimizer_s = optimizer_time(cluster, lay, worst_params, worst_experts)
 
     step = pipe_total + dp_exposed + optimizer_s
     tokens = facts.batch * facts.seq
@@ -355,8 +358,7 @@ def _auto_choices(facts: StepFacts, cluster: Cluster, lay: Layout) -> tuple[Reco
         return none
     # each stage alone: its rows and nodes; the step's largest value counts on every stage
     # (`staged_activation_memory`), so a stage whose own largest is smaller has less room
-    largest = np.zeros(lay.pp)
-    np.maximum.at(largest, saved_stage, local * columns(facts, none[0]).kept)
+    largest = group_max(local * columns(facts, none[0]).kept, saved_stage, lay.pp)
     room = room - 2.0 * (largest.max() - largest)
     # a recomputing stage that keeps its SP gathers holds them too (`Layout.regather`)
     room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight
@@ -401,9 +403,11 @@ def _memory(facts, cluster, lay, rec, params_stage, choices: tuple[RecomputeChoi
     block_params_ = block_params(facts, lay, n_layers)
     stash = zb_stash_per_stage(facts, cluster, lay)
     held = fused_accum(rec) if facts.framework_memory else rec
+    experts = expert_params_per_stage(facts, cluster, lay)
     out = []
     for s in range(pp):
-        states = model_state_bytes(float(params_stage[s]), held, lay.zero, lay.dp * lay.cp)
+        states = model_state_bytes(float(params_stage[s]), held, lay.zero, lay.dp * lay.cp,
+                                   float(experts[s]), lay.ep)
         out.append(
             MemoryBreakdown(
                 params=states["params"],

@@ -65,6 +65,7 @@ class NodeTable:
     layer: np.ndarray  # block index, pre-block nodes -1 (stage 0); post-block nodes L
     is_attention: np.ndarray
     attention_kv_bytes: np.ndarray  # K and V bytes an attention node reads (CP exchanges them)
+    attention_seq: np.ndarray  # the keys an attention node attends over (0 for other nodes)
     # the node is copied into the backward by the recompute pass under that mode (its time is
     # the recompute's price; `autopar.search.facts` reads it off the pass's own marking)
     rerun_selective: np.ndarray

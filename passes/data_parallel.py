@@ -72,6 +72,7 @@ def apply_data_parallel(
     group: AxisGroup,
     sync: str = "reduce",
     partial: int = 1,
+    groups: dict[str, AxisGroup] | None = None,
 ) -> None:
     """Rewrite ``gm`` in place for data parallelism over ``group`` (the "dp" mesh axis).
 
@@ -93,26 +94,37 @@ def apply_data_parallel(
     and hold partial sums of its gradients (context parallelism's dp x cp group: each cp
     rank's sum over its positions, the loss whole on each): the seed is scaled by
     partial / n (the mean over the n / partial slices), the loss averaged over all n ranks.
+    groups: parameters whose gradients are reduced (and, under ZeRO, whose rows are sharded)
+    over another group than ``group``: expert parallelism's owners' groups, the dp/ep ranks
+    that store the same experts, each of which holds the sum over its ep group's tokens (the
+    seed's 1/n scaling is the same: the owners' sum is the mean over all n ranks' slices); a
+    group of one rank needs no collective.
     """
     if sync not in ("reduce", "none", "accumulated"):
         raise ValueError(f"sync must be 'reduce', 'none' or 'accumulated', got {sync!r}")
     params = signature.placeholder_of("param")
     seed = next(iter(signature.placeholder_of("tangent").values()))
     grads, loss_index = signature.grad_index, signature.loss_index
-    zero, n, group_name, rank = plan.zero, group.size, group.name, group.rank
+    zero, n, group_name = plan.zero, group.size, group.name
     if partial < 1 or n % partial:
         raise ValueError(f"partial={partial} must divide the group's {n} ranks")
     slices = n // partial  # slices of the batch the group's gradients average over
     reduce_scatter = plan.comm.reduce_scatter
+    groups = dict(groups or {})
+    solo = {name for name, g in groups.items() if g.size == 1}  # whole on their only owner
+
+    def group_of(name: str) -> AxisGroup:
+        return groups.get(name, group)
+
     for name in plan.sharded:
-        if not shardable(shapes[name], n):
-            raise ValueError(f"the plan shards {name} {tuple(shapes[name])} over {n} data-parallel "
-                             f"ranks but its dim 0 does not divide by {n}")
+        if not shardable(shapes[name], group_of(name).size):
+            raise ValueError(f"the plan shards {name} {tuple(shapes[name])} over {group_of(name).size} "
+                             f"data-parallel ranks but its dim 0 does not divide by {group_of(name).size}")
     graph = gm.graph
     nodes = {node.name: node for node in graph.nodes}
     before = set(graph.nodes)
     output = next(node for node in graph.nodes if node.op == "output")
-    sharded = set(plan.sharded)
+    sharded = set(plan.sharded) - solo
     accumulated = _accumulator_inputs(graph, grads, loss_index, output) if sync == "accumulated" else {}
 
     last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
@@ -132,7 +144,7 @@ def apply_data_parallel(
     if reshard:
         _unshare_weight_views(graph, shards.values())
     if zero:
-        _gather_per_block(graph, order, shards, n, group_name, zero, plan.comm)
+        _gather_per_block(graph, order, shards, group_of, zero, plan.comm)
     for name in order:
         nodes[params[name]].meta["autopar"] = f"ZeRO-{zero}: rank's rows of {name}"
 
@@ -152,7 +164,9 @@ def apply_data_parallel(
             total = _node(graph, aten.add.Tensor, (present[name], acc))
         total.meta["val"] = present[name].meta["val"]
         present[name] = total
-    buckets = _buckets(graph, present, sharded, plan.comm)
+    for name in solo & set(present):  # already the sum over the only owner's ep group
+        outs[grads[name]] = present.pop(name)
+    buckets = _buckets(graph, present, sharded, plan.comm, group_of)
     order = {node: i for i, node in enumerate(graph.nodes)}
     lasts = [max((present[name] for name in b), key=order.__getitem__) for b in buckets]
     for k, bucket in enumerate(buckets):
@@ -161,7 +175,8 @@ def apply_data_parallel(
         # gradient whole until the end of the step; a whole (DP) gradient is kept anyway
         later = [lasts[j] for j in range(k + 1, len(buckets)) if order[lasts[j]] > order[lasts[k]]]
         wait_at = later[0].next if bucket[0] in sharded and later else output
-        reduced = _reduce_bucket(graph, bucket, present, sharded, zero, n, group_name, wait_at, rank,
+        g = group_of(bucket[0])
+        reduced = _reduce_bucket(graph, bucket, present, sharded, zero, g.size, g.name, wait_at, g.rank,
                                  reduce_scatter)
         for name, value in reduced.items():
             outs[grads[name]] = value
@@ -206,9 +221,9 @@ def _accumulator_inputs(graph: fx.Graph, grads: dict[str, int], loss_index: int,
 
 
 def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str],
-             comm: CommPlan) -> list[list[str]]:
+             comm: CommPlan, group_of=None) -> list[list[str]]:
     """Gradients in the order the backward produces them, cut into buckets of one kind
-    (all-reduce or reduce-scatter) and dtype of at most comm.first_bucket_bytes for the first
+    (all-reduce or reduce-scatter), process group (``group_of(name)``) and dtype of at most comm.first_bucket_bytes for the first
     of a kind, comm.bucket_bytes for the others (a gradient larger than that is a bucket of its
     own)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -218,7 +233,7 @@ def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str],
     opened: set[tuple] = set()  # kinds whose first bucket is closed
     for name in names:
         val = grads[name].meta["val"]
-        kind = (name in sharded, val.dtype)
+        kind = (name in sharded, val.dtype, group_of(name).name if group_of else "")
         size = val.numel() * val.element_size()
         bucket, used = open_by_kind.get(kind, ([], 0))
         cap = comm.bucket_bytes if kind in opened else comm.first_bucket_bytes
@@ -232,21 +247,23 @@ def _buckets(graph: fx.Graph, grads: dict[str, fx.Node], sharded: set[str],
     return buckets
 
 
-def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.Node], n: int,
-                      group_name: str, zero: int, comm: CommPlan) -> None:
-    """One gather per block, block k+1's issued as block k starts computing. ZeRO-3 gathers
-    again for the backward (the whole weights are dropped after each use) unless it keeps the
-    forward's (``comm.reshard_after_forward`` False), as ZeRO-1/2 do."""
+def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.Node], group_of,
+                      zero: int, comm: CommPlan) -> None:
+    """One gather per block (and process group: ``group_of(name)``), block k+1's issued as
+    block k starts computing. ZeRO-3 gathers again for the backward (the whole weights are
+    dropped after each use) unless it keeps the forward's (``comm.reshard_after_forward``
+    False), as ZeRO-1/2 do."""
     reshard = zero == 3 and comm.reshard_after_forward
     phases = ("forward", "backward") if reshard else ("forward and backward",)
-    group_of = gather_groups({name: shards[name].meta["val"] for name in order}, comm.bucket_bytes)
+    block_of = {name: (*key, group_of(name)) for name, key in
+                gather_groups({name: shards[name].meta["val"] for name in order}, comm.bucket_bytes).items()}
     for phase in phases:
         users_by_block: dict[tuple, dict[str, list[fx.Node]]] = {}
         for name in order:
             users = [u for u in shards[name].users if phase not in ("forward", "backward")
                      or _is_backward(u) == (phase == "backward")]
             if users:
-                users_by_block.setdefault(group_of[name], {})[name] = users
+                users_by_block.setdefault(block_of[name], {})[name] = users
         position = {node: i for i, node in enumerate(graph.nodes)}
         firsts = {block: min((u for us in users.values() for u in us), key=position.__getitem__)
                   for block, users in users_by_block.items()}
@@ -255,7 +272,8 @@ def _gather_per_block(graph: fx.Graph, order: list[str], shards: dict[str, fx.No
             users = users_by_block[block]
             # issued while the comm.prefetch_blocks blocks before it compute (prefetch)
             issue_at = firsts[blocks[max(0, k - comm.prefetch_blocks)]]
-            _gather_bucket(graph, list(users), shards, users, issue_at, firsts[block], n, group_name,
+            g = block[2]
+            _gather_bucket(graph, list(users), shards, users, issue_at, firsts[block], g.size, g.name,
                            f"ZeRO-{zero}: gather {block[0]} for the {phase}")
 
 

@@ -10,29 +10,33 @@ computation on stacked values, the experts along dim 0, its nodes tagged in ``me
     dX, dW = f's backward(dY)
 
 The ep ranks are n consecutive data-parallel ranks; rank r of the group owns the m = E/n
-experts [r m, (r+1) m). With equal chunks of m rows, ``all_to_all`` sends chunk j of dim 0 to
-rank j and stacks what rank r receives by source rank, so the rewrite keeps f's shapes (the
-grouped graph itself is not touched; its batch rows are (source rank i, local expert e)):
+experts [r m, (r+1) m) and stores only their parameters (the graph's inputs of the other
+experts' parameters, and their gradient outputs, are removed). With equal chunks of m rows,
+``all_to_all`` sends chunk j of dim 0 to rank j and stacks what rank r receives by source rank,
+so the rewrite keeps f's shapes (the grouped graph itself is not touched; its batch rows are
+(source rank i, local expert e)):
 
     X_r = all_to_all(X)            X_r[i m + e] = X on rank i, row r m + e
-    W_r,k[i m + e] = W_{r m + e, k}                   (the local experts' weights, n times)
+    W_r,k = repeat_n(stack_e W_{r m + e, k})          (the local experts' weights, n times)
     Y = all_to_all(f(X_r, W_r))    Y[j m + e] on rank i = expert j m + e on rank i's rows
     dX = all_to_all(dX_r),  dX_r, dW_r = f's backward(all_to_all(dY))
-    dW_{r m + e, k} = sum_i dW_r,k[i m + e];  0 for the experts of the other ranks
+    dW_{r m + e, k} = sum_i dW_r,k[i m + e]           (the local experts' only)
 
 Each expert row sees exactly the tokens it saw without expert parallelism (one rank's at a
-time), so any row-wise expert computes as before. Parameters stay whole on every rank (their
-storage is replicated; ZeRO shards them as any parameter): an expert's gradient is the sum
-over its owners in every ep group of the tokens they received, zero on the other ranks, and
-the data-parallel reduction (a sum over all dp ranks, the seed scaled by 1/dp) yields each
-expert's gradient of the global batch on every rank, as one device computes it.
+time), so any row-wise expert computes as before. The local gradient of expert r m + e is the
+sum over the tokens of the rank's ep group; the ranks that store the same experts are the
+owners' group: with dp data-parallel ranks in dp order d = 0 .. dp-1 (`runtime.mesh`: dp index
+d of a ("dp", "tp") mesh), the ep groups are {g n .. g n + n - 1} and the owners of ep rank j
+are {g n + j : g = 0 .. dp/n - 1}, dp/n ranks (`runtime.mesh.expert_mesh`'s "dp" axis). Their
+sum (the data-parallel pass, over that group: the seed is scaled by 1/dp as for every
+gradient) is expert's gradient of the global batch, as one device computes it; ZeRO shards the
+local experts over the same dp/n ranks.
 
 Every added collective carries ``meta["autopar"]``: the decision behind it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,23 +68,16 @@ class _Instance:
     results: dict[str, fx.Node]  # "y", "dx", "dw<k>" -> node
 
 
-def expert_groups(grid: Sequence[Sequence[int]], ep: int, rank: int) -> tuple[object, AxisGroup]:
-    """Create the ep process groups: each row of ``grid`` (one data-parallel group's global
-    ranks, in dp order) cut into consecutive runs of ``ep`` ranks. Every rank creates every
-    group, in the same order (``torch.distributed.new_group``'s rule); returns (this rank's
-    group, its `AxisGroup`)."""
-    import torch.distributed as dist
+@dataclass
+class ExpertRewrite:
+    """What the pass did on this rank: the lists rewritten, the placeholders (node names) of
+    the parameters of the experts this rank stores (read by the grouped computation) and of
+    those it dropped (another rank's experts: no longer graph inputs; their gradient outputs are
+    None)."""
 
-    mine = None
-    for row in grid:
-        for start in range(0, len(row), ep):
-            ranks = [int(r) for r in row[start:start + ep]]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine = (group, AxisGroup(group.group_name, ep, ranks.index(rank)))
-    if mine is None:
-        raise ExpertParallelError(f"rank {rank} is in no ep group of {[list(r) for r in grid]}")
-    return mine
+    paths: list[str]
+    local: list[str]
+    dropped: list[str]
 
 
 def _instances(gm: fx.GraphModule) -> list[_Instance]:
@@ -134,11 +131,12 @@ def _all_to_all(graph: fx.Graph, value: fx.Node, group: AxisGroup, meta: dict, r
     return _node(graph, c10d.wait_tensor.default, (issued,), meta, reason, val=issued.meta["val"])
 
 
-def apply_expert_parallel(gm: fx.GraphModule, group: AxisGroup) -> list[str]:
-    """Rewrite ``gm`` in place so this rank runs its experts of every grouped list on the tokens
-    of the ``group``'s ranks (see the module docstring); returns the lists rewritten.
-    `ExpertParallelError` where the graph has no grouped experts, a list's E does not divide by
-    the group's size, or the grouped computation is not in the form the capture writes."""
+def apply_expert_parallel(gm: fx.GraphModule, group: AxisGroup) -> ExpertRewrite:
+    """Rewrite ``gm`` in place so this rank runs and stores its experts of every grouped list,
+    on the tokens of the ``group``'s ranks (see the module docstring). `ExpertParallelError`
+    where the graph has no grouped experts, a list's E does not divide by the group's size, or
+    the grouped computation is not in the form the capture writes (each stacked weight a stack
+    of one graph input per expert)."""
     instances = _instances(gm)
     if not instances:
         raise ExpertParallelError(
@@ -149,15 +147,20 @@ def apply_expert_parallel(gm: fx.GraphModule, group: AxisGroup) -> list[str]:
             "store the experts' weights stacked in one parameter are not supported under ep yet.\n"
             "  fix: use ep=1 (data parallelism and ZeRO shard such a model), or write the experts "
             "as a ModuleList")
+    done = ExpertRewrite([], [], [])
     for inst in instances:
-        _rewrite(gm.graph, inst, group)
+        local, dropped = _rewrite(gm.graph, inst, group)
+        done.paths.append(inst.path)
+        done.local += local
+        done.dropped += dropped
     gm.graph.lint()
     gm.recompile()
-    return [inst.path for inst in instances]
+    return done
 
 
-def _rewrite(graph: fx.Graph, inst: _Instance, group: AxisGroup) -> None:
-    """One list's grouped computation run on this rank's experts (the module docstring's rules)."""
+def _rewrite(graph: fx.Graph, inst: _Instance, group: AxisGroup) -> tuple[list[str], list[str]]:
+    """One list's grouped computation run on this rank's experts (the module docstring's rules);
+    returns the placeholder names of the experts' parameters kept and dropped."""
     n, r, E = group.size, group.rank, inst.experts
     if E % n:
         raise ExpertParallelError(
@@ -197,13 +200,12 @@ def _rewrite(graph: fx.Graph, inst: _Instance, group: AxisGroup) -> None:
     # forward: this rank's experts' rows of every group rank, and their weights n times
     with graph.inserting_before(first_reader(x, body)):
         x_here = _all_to_all(graph, x, group, fwd_meta, f"{words}: dispatch their tokens")
-    local_w = {}
+    local_w, stored = {}, {}
     for k, w in inst.weights.items():
-        # every rank reads every expert's weights (the stack as it was): ZeRO gathers a block's
-        # weights with one collective, which must carry the same tensors on every rank
+        stored[k] = _stored_parts(w, inst.path, E)
         with graph.inserting_before(first_reader(w, body)):
-            mine = _node(graph, aten.slice.Tensor, (w, 0, r * m, r * m + m), fwd_meta,
-                         f"{words}: their weights")
+            mine = _node(graph, aten.stack.default, (stored[k][r * m:r * m + m],), fwd_meta,
+                         f"{words}: their weights (the only experts this rank stores)")
             reps = [n] + [1] * (w.meta["val"].dim() - 1)
             local_w[k] = _node(graph, aten.repeat.default, (mine, reps), fwd_meta)
     _reroute(x, x_here, body)
@@ -222,12 +224,14 @@ def _rewrite(graph: fx.Graph, inst: _Instance, group: AxisGroup) -> None:
     with graph.inserting_before(dx.next):
         dx_back = _all_to_all(graph, dx, group, bwd_meta, f"{words}: return their inputs' gradients")
     _reroute(dx, dx_back, None, keep=body | _chain(dx_back))
+    output = next(node for node in graph.nodes if node.op == "output")
     for k in inst.weights:
         dw = inst.results[f"dw{k}"]
         with graph.inserting_before(dw.next):
-            whole = _weight_grad(graph, dw, n, r, m, bwd_meta, f"{words}: their weights' gradients "
-                                 "(summed over the group's tokens; 0 for the other ranks' experts)")
-        _reroute(dw, whole, None, keep=body | _chain(whole))
+            local = _local_grad(graph, dw, n, m, bwd_meta, f"{words}: their weights' gradients "
+                                "(summed over the group's tokens)")
+        _to_local_rows(graph, dw, local, r * m, m, body | _chain(local), output, inst.path)
+    return _drop_others(graph, inst, stored, r, m)
 
 
 def _chain(node: fx.Node) -> set[fx.Node]:
@@ -242,21 +246,71 @@ def _chain(node: fx.Node) -> set[fx.Node]:
     return out
 
 
-def _weight_grad(graph: fx.Graph, dw: fx.Node, n: int, r: int, m: int, meta: dict, reason: str) -> fx.Node:
-    """[E, ...]: the local experts' gradients (``dw``'s rows summed over the source ranks) at
-    rows r m .. r m + m - 1, zeros elsewhere."""
-    shape = list(dw.meta["val"].shape)
-    rest = shape[1:]
-    rows = _node(graph, aten.view.default, (dw, [n, m, *rest]), meta) if dw.meta["val"].is_contiguous() \
-        else _node(graph, aten.reshape.default, (dw, [n, m, *rest]), meta)
-    local = _node(graph, aten.sum.dim_IntList, (rows, [0]), meta, reason)
-    parts = []
-    if r:
-        parts.append(_node(graph, aten.new_zeros.default, (local, [r * m, *rest]), meta))
-    parts.append(local)
-    if r < n - 1:
-        parts.append(_node(graph, aten.new_zeros.default, (local, [(n - 1 - r) * m, *rest]), meta))
-    return _node(graph, aten.cat.default, (parts,), meta, reason) if len(parts) > 1 else local
+def _stored_parts(w: fx.Node, path: str, E: int) -> list[fx.Node]:
+    """The E graph inputs (one per expert) the stacked weight ``w`` is made of."""
+    parts = list(w.args[0]) if w.op == "call_function" and w.target is aten.stack.default else []
+    if len(parts) != E or any(p.op != "placeholder" or len(p.users) != 1 for p in parts) \
+            or w.args[1:] not in ((), (0,)):
+        raise ExpertParallelError(
+            f"{path}: a stacked weight of the grouped experts is not a stack of one parameter per "
+            "expert read nowhere else, so the ranks cannot each store only their experts: use ep=1 "
+            "for this model")
+    return parts
+
+
+def _local_grad(graph: fx.Graph, dw: fx.Node, n: int, m: int, meta: dict, reason: str) -> fx.Node:
+    """[m, ...]: the local experts' gradients, ``dw``'s rows (source rank i, expert e) summed
+    over the source ranks."""
+    rest = list(dw.meta["val"].shape)[1:]
+    op = aten.view.default if dw.meta["val"].is_contiguous() else aten.reshape.default
+    rows = _node(graph, op, (dw, [n, m, *rest]), meta)
+    return _node(graph, aten.sum.dim_IntList, (rows, [0]), meta, reason)
+
+
+def _to_local_rows(graph: fx.Graph, dw: fx.Node, local: fx.Node, first: int, m: int,
+                   keep: set[fx.Node], output: fx.Node, path: str) -> None:
+    """The readers of the whole [E, ...] gradient ``dw`` read the local [m, ...] one: expert
+    e's row ``dw[e]`` is ``local[e - first]`` for the local experts; another rank's expert's
+    row (a gradient output) is dropped from the outputs (None). A contiguous copy of ``dw``
+    (the capture's, for a gradient not dense as its parameter) becomes a copy of ``local``."""
+    for user in [u for u in dw.users if u not in keep]:
+        if user.target is aten.clone.default:
+            user.replace_input_with(dw, local)
+            user.meta["val"] = local.meta["val"]
+            _to_local_rows(graph, user, user, first, m, set(), output, path)
+        elif user.target is aten.select.int and user.args[1] == 0:
+            e = user.args[2]
+            if first <= e < first + m:
+                user.args = (local, 0, e - first)
+                continue
+            if set(user.users) != {output}:
+                raise ExpertParallelError(f"{path}: the gradient of another rank's expert {e} is read "
+                                          "inside the step: use ep=1 for this model")
+            output.args = (tuple(None if o is user else o for o in output.args[0]),)
+            graph.erase_node(user)
+        else:
+            raise ExpertParallelError(f"{path}: the experts' stacked gradient is read by {user.target}, "
+                                      "not per expert: use ep=1 for this model")
+
+
+def _drop_others(graph: fx.Graph, inst: _Instance, stored: dict[int, list[fx.Node]], r: int,
+                 m: int) -> tuple[list[str], list[str]]:
+    """Remove the whole stacks and the other ranks' experts' parameter inputs (read by nothing
+    now); returns the placeholder names kept and dropped."""
+    kept, dropped = [], []
+    for k, w in inst.weights.items():
+        if not w.users:
+            graph.erase_node(w)
+        for e, p in enumerate(stored[k]):
+            if r * m <= e < r * m + m:
+                kept.append(p.name)
+            elif not p.users:
+                dropped.append(p.name)
+                graph.erase_node(p)
+            else:
+                raise ExpertParallelError(f"{inst.path}: expert {e}'s parameter {p.name} is read outside "
+                                          "the grouped experts: use ep=1 for this model")
+    return kept, dropped
 
 
 def _reroute(old: fx.Node, new: fx.Node, only: set[fx.Node] | None, keep: set[fx.Node] = frozenset()) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["dp_cp_mesh", "fake_world", "init_mesh"]
+__all__ = ["dp_cp_mesh", "expert_mesh", "fake_world", "init_mesh"]
 
 
 def init_mesh(
@@ -84,6 +84,28 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
             flat = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("dp", "pp", "tp"))
         _DP_CP[id(mesh)] = (mesh, flat)
     return _DP_CP[id(mesh)][1]
+
+
+_EXPERT: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}  # (id(mesh), ep) -> (mesh, its expert mesh)
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The ("dp", "ep", "tp") mesh of a ("dp", "tp") ``mesh`` under expert parallelism: dp
+    index d = g ep + j is at ("dp" g, "ep" j), so the "ep" axis is an ep group (ep consecutive
+    dp ranks, which exchange tokens with all-to-alls) and the "dp" axis is the owners' group
+    of ep rank j (the dp/ep ranks {g ep + j} that store the same experts, over which their
+    gradients are reduced and ZeRO shards them). Made once per (mesh, ep) (every rank must
+    call it, in the same order: it creates process groups)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != ("dp", "tp"):
+        raise ValueError(f"expert_mesh needs a ('dp', 'tp') mesh, got {names}")
+    dp, tp = mesh.shape
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} does not divide the {dp} data-parallel ranks")
+    if (id(mesh), ep) not in _EXPERT:
+        made = DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp // ep, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
+        _EXPERT[(id(mesh), ep)] = (mesh, made)
+    return _EXPERT[(id(mesh), ep)][1]
 
 
 @contextlib.contextmanager

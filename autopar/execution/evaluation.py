@@ -144,3 +144,14 @@ def refuse_pipeline(pp: int) -> None:
             "evaluate the model on one device from pm.full_state_dict() (sd = pm.full_state_dict(); "
             "model.load_state_dict(sd); model.eval()), or parallelize it for evaluation with a "
             "layout without pp (autopar.Layout(dp=..., tp=...))")
+
+
+def refuse_expert_storage(ep: int) -> None:
+    """`InputError` for evaluation under expert parallelism: this rank stores only its experts."""
+    if ep > 1:
+        raise InputError(
+            f"evaluation (pm.eval()) is not executed under expert parallelism (ep={ep}): each rank "
+            "stores only its share of the experts' parameters and the eval-mode forward runs every "
+            "expert.\n  fix: evaluate the model on one device from pm.full_state_dict() (sd = "
+            "pm.full_state_dict(); model.load_state_dict(sd); model.eval()), or parallelize it for "
+            "evaluation with a layout without ep (autopar.Layout(dp=...))")

@@ -23,7 +23,12 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture.graph import OutputTree
 from autopar.errors import InputError
-from autopar.execution.evaluation import EvalGraphs, evaluate, refuse_pipeline
+from autopar.execution.evaluation import (
+    EvalGraphs,
+    evaluate,
+    refuse_expert_storage,
+    refuse_pipeline,
+)
 from autopar.planning.plan import Plan
 from runtime.executor import RankGraph, run_step
 from runtime.pipeline import PipelinePlan
@@ -155,6 +160,7 @@ class ParallelModule(nn.Module):
         self._calls += 1
         if not self.training:
             refuse_pipeline(self.plan.layout.pp)
+            refuse_expert_storage(self.plan.layout.ep)
             return evaluate(self._eval_graphs, self._source, self.mesh, dict(self.named_parameters()),
                             dict(self.named_buffers()), batch, self._local_batch, self._loss_fn)
         if not planned:

@@ -29,7 +29,8 @@ reduces over the dp x cp ranks; the parameters live on the ("dp", "tp") mesh, re
 cp, or under ZeRO sharded over the dp x cp ranks (`runtime.mesh.dp_cp_mesh`). Expert parallelism
 (ep > 1, with DP and ZeRO) groups every list of alike experts at capture and the expert-parallel
 pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
-consecutive dp ranks, with all-to-alls; the experts' parameters stay whole on every rank. Any
+consecutive dp ranks, with all-to-alls; each rank stores only its experts' parameters (the
+module holds no others), on the ("dp", "tp") mesh of their owners (`runtime.mesh.expert_mesh`). Any
 other decision (ZeRO-2/3 inside a pipeline, cp with SP, pipelines or FP8, ep with TP,
 pipelines, cp or FP8, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
@@ -86,7 +87,7 @@ from cost import Cluster, Layout
 from cost.step import check_layout
 from passes.loss_reduction import LossReduction, analyze_loss, for_layout
 from runtime.executor import RankGraph
-from runtime.mesh import dp_cp_mesh
+from runtime.mesh import dp_cp_mesh, expert_mesh
 from vocab.layout import unsupported_decisions
 from vocab.plan_types import GraphSignature
 
@@ -204,7 +205,11 @@ def parallelize(
         mesh = mesh["dp", "tp"]
     elif lay.cp > 1 and lay.zero:  # a pipeline's ZeRO-1 rows over the dp x cp ranks
         params_mesh = dp_cp_mesh(mesh)
-    unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held)
+    meshes = None
+    if lay.ep > 1:  # each rank stores its own experts only, on their owners' ("dp", "tp") mesh
+        held = set(state.signature.placeholder_of("param"))
+        meshes = dict.fromkeys(state.expert_params, expert_mesh(mesh, lay.ep)["dp", "tp"])
+    unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held, meshes)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in state.signature.placeholder_of("param") if held is None or p in held]
     return ParallelModule(module, _rank_graph(state), chosen.with_execution(report), mesh,

@@ -51,24 +51,25 @@ def placed_shard(data: torch.Tensor, dp_place: AxisPlacement, tp_place: AxisPlac
 
 
 def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
-                 aliases: dict[str, str], held: set[str] | None = None) -> set[str]:
+                 aliases: dict[str, str], held: set[str] | None = None,
+                 meshes: dict[str, DeviceMesh] | None = None) -> set[str]:
     """Replace every parameter by an nn.Parameter holding a DTensor with the plan's placements.
 
     On the ("dp", "tp") mesh a weight is first split over TP, then (ZeRO) its TP shard's rows
     over DP; when both split dim 0 that is DTensor's right-to-left `_StridedShard` order.
     A parameter on the meta device gets only this rank's shard, allocated and left unset (NaN
     where floating): returns those parameters' names, to be filled from a checkpoint.
-    ``held``: under a pipeline, the parameters of this rank's stage; the others are removed
-    from the module (their DTensors live on the (dp, tp) mesh of this rank's stage).
+    ``held``: under a pipeline, the parameters of this rank's stage; under expert parallelism,
+    all but the other ranks' experts; the others are removed from the module (their DTensors
+    live on the (dp, tp) mesh of this rank's stage). ``meshes``: parameters whose DTensors live
+    on another ("dp", "tp") mesh (an expert's: "dp" is its owners' group).
     """
-    if held is not None:
+    if held is not None and mesh.ndim > 2:
         mesh = mesh["dp", "tp"]
     device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
               else torch.device(mesh.device_type))
     unloaded: set[str] = set()
     layout = decisions.layout
-    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    degrees = (mesh["dp"].size(), layout.tp)  # under cp with ZeRO "dp" is the dp x cp ranks
     made: dict[int, nn.Parameter] = {}
     for mod_name, sub in module.named_modules(remove_duplicate=False):
         for pname, p in list(sub._parameters.items()):
@@ -81,6 +82,9 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
                 continue
             decided = decisions.params[canonical]
             if id(p) not in made:
+                on = (meshes or {}).get(canonical, mesh)
+                dp_rank, tp_rank = on.get_local_rank("dp"), on.get_local_rank("tp")
+                degrees = (on["dp"].size(), layout.tp)  # under cp with ZeRO "dp" is the dp x cp ranks
                 data = p.detach()
                 tp_place = decided.placements.get("tp", AxisPlacement.replicate())
                 dp_place = decided.placements["dp"]
@@ -93,7 +97,7 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
                     unloaded.add(full_name)
                 else:
                     local = local.contiguous().clone()
-                dt = DTensor.from_local(local, mesh, placements,
+                dt = DTensor.from_local(local, on, placements,
                                         run_check=False, shape=data.shape, stride=data.stride())
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             sub._parameters[pname] = made[id(p)]

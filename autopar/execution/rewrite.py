@@ -13,9 +13,9 @@ the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, a
 4. ``context_parallel``: after TP's place, the sequence split over "cp", attention as ring
    attention.
 4b. ``expert_parallel`` (ep > 1): each rank runs its share of every grouped expert list on the
-   tokens of ep consecutive dp ranks, with all-to-alls; before recompute (whose chains then
-   start from the all-to-alls) and before DP (which reduces every expert's gradient, 0 where
-   another rank owns it).
+   tokens of ep consecutive dp ranks, with all-to-alls, and stores only those experts (the
+   others' parameters leave the graph); before recompute (whose chains then start from the
+   all-to-alls) and before DP (which reduces the experts' gradients over their owners' group).
 5. ``fp8_scales``: after TP (whose DTensors reduce a sharded amax over TP), the DP ranks'
    amaxes all-reduced, so that the scales are those of the whole batch, as on one device.
 6. ``recompute``: after TP, so that the rebuilt chains start from TP's collectives and never
@@ -37,6 +37,7 @@ the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, a
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,7 @@ from cost.stages import node_stages
 from passes import overlap
 from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
-from passes.expert_parallel import ExpertParallelError, apply_expert_parallel, expert_groups
+from passes.expert_parallel import ExpertParallelError, apply_expert_parallel
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
 from passes.loss_reduction import LossReduction, rewrite_denominators
@@ -62,7 +63,7 @@ from passes.recompute import apply_recompute, heavy_groups, is_backward, values_
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from passes.token_count import weight_loss_by_seed
 from runtime import ring_attention  # noqa: F401  (registers the ring attention ops the CP pass emits)
-from runtime.mesh import dp_cp_mesh
+from runtime.mesh import dp_cp_mesh, expert_mesh
 from runtime.pipeline import PipelinePlan
 from vocab.layout import Layout
 from vocab.plan_types import (
@@ -117,6 +118,9 @@ class RankRewrite:
     accum_inputs: list[tuple[str, str]] = field(default_factory=list)
     accumulate_gm: fx.GraphModule | None = None
     pipeline: PipelinePlan | None = None
+    # ep > 1: the parameters of the experts this rank stores, reduced over their owners' group
+    expert_params: frozenset[str] = frozenset()
+    expert_group: AxisGroup | None = None
 
     @property
     def layout(self) -> Layout:
@@ -227,12 +231,27 @@ def _context_parallel(state: RankRewrite, lay: Layout) -> None:
 
 
 def _expert_parallel(state: RankRewrite, lay: Layout) -> None:
-    """The EP pass (`passes.expert_parallel`) over this rank's ep group: ``lay.ep`` consecutive
-    ranks of its "dp" group."""
+    """The EP pass (`passes.expert_parallel`) over this rank's ep group (``lay.ep`` consecutive
+    ranks of its "dp" group: `runtime.mesh.expert_mesh`'s "ep" axis). The other ranks' experts'
+    parameters leave the signature; the rank's own are reduced over their owners' group (its
+    "dp" axis)."""
+    mesh = expert_mesh(state.mesh, lay.ep)
+    group = AxisGroup(mesh["ep"].get_group().group_name, lay.ep, mesh.get_local_rank("ep"))
     try:
-        apply_expert_parallel(state.gm, expert_groups(state.mesh.mesh.T.tolist(), lay.ep, dist.get_rank())[1])
+        done = apply_expert_parallel(state.gm, group)
     except ExpertParallelError as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
+    sig = state.signature
+    dropped = set(done.dropped)
+    inputs = [i for i, node in zip(sig.inputs, sig.placeholders) if node not in dropped]
+    gone = {name for (kind, name), node in zip(sig.inputs, sig.placeholders) if node in dropped}
+    outs = next(n for n in state.gm.graph.nodes if n.op == "output").args[0]
+    grads = {name: i for name, i in sig.grad_index.items() if name not in gone and outs[i] is not None}
+    state.signature = _signature(state.gm, inputs, grads, sig.loss_index, sig.buffer_index)
+    by_node = {node: name for name, node in state.signature.placeholder_of("param").items()}
+    state.expert_params = frozenset(by_node[node] for node in done.local)
+    state.expert_group = AxisGroup(mesh["dp"].get_group().group_name, lay.dp // lay.ep,
+                                   mesh.get_local_rank("dp"))
 
 
 def _recompute_pass(state: RankRewrite, part: RecomputePart) -> None:
@@ -262,12 +281,15 @@ def _data_parallel(state: RankRewrite, dp_plan: DataParallelPlan) -> None:
         group = AxisGroup(flat["dp"].get_group().group_name, lay.dp * lay.cp, flat.get_local_rank("dp"))
         partial = lay.cp
     no_sync = lay.grad_accum > 1 and lay.zero <= 1
+    held = set(signature.placeholder_of("param"))  # under ep: without the other ranks' experts
+    dp_plan = dataclasses.replace(dp_plan, sharded=frozenset(p for p in dp_plan.sharded if p in held))
+    groups = {name: state.expert_group for name in state.expert_params}
     if no_sync:
         state.accumulate_gm = copy.deepcopy(gm)
         apply_data_parallel(state.accumulate_gm, signature, state.shapes, dp_plan, group, sync="none",
-                            partial=partial)
+                            partial=partial, groups=groups)
     apply_data_parallel(gm, signature, state.shapes, dp_plan, group,
-                        sync="accumulated" if no_sync else "reduce", partial=partial)
+                        sync="accumulated" if no_sync else "reduce", partial=partial, groups=groups)
     state.accum_inputs = [("accum", node.meta["accumulates"]) for node in gm.graph.nodes
                           if node.op == "placeholder" and "accumulates" in node.meta]
 

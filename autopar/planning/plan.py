@@ -23,7 +23,7 @@ from cost import Cluster, Layout
 from cost.profile import coverage_notes, coverage_within
 from cost.step import Prediction, StepFacts, predict
 from vocab.layout import unsupported_decisions
-from vocab.plan_types import ExecutionReport, Fallback, PlanDecisions
+from vocab.plan_types import ExecutionReport, Fallback, PlanDecisions, RecomputeChoice
 
 PLAN_VERSION = 2  # 2: the decisions (vocab.plan_types) travel whole
 
@@ -204,10 +204,10 @@ class Plan:
         if isinstance(lay.recompute, str) and lay.recompute == choice.mode and not choice.outputs \
                 and not per_stage:
             return lay.recompute
-        asked = "+".join(lay.recompute) if isinstance(lay.recompute, tuple) else lay.recompute
+        asked = "+".join(_alike_counted(lay.recompute)) if isinstance(lay.recompute, tuple) else lay.recompute
         if per_stage:  # the pipeline's stages chose apart
-            return f"{asked} -> " + "; ".join(f"stage {s}: {c.describe()}" for s, c in enumerate(per_stage))
-        return f"{asked} -> {choice.describe()}"
+            return f"{asked} -> " + "; ".join(f"stage {s}: {_describe(c)}" for s, c in enumerate(per_stage))
+        return f"{asked} -> {_describe(choice)}"
 
     def _fp8_line(self) -> str:
         """Which weight matmuls run in FP8, under which recipe, and which stay high."""
@@ -372,6 +372,23 @@ class Plan:
         p = self.predicted
         return (f"Plan({self.layout.short()}, step {fmt_time(p.step_time_s)}, "
                 f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {'fits' if p.fits else 'does not fit'})")
+
+
+def _describe(choice: RecomputeChoice) -> str:
+    """`RecomputeChoice.describe` with alike groups of a block folded: the k-th alike matmul of
+    a block (``experts.*.up_proj.weight#k``, one per expert) counted, not listed."""
+    if choice.mode != "selective" or not choice.outputs:
+        return choice.describe()
+    return "selective + the outputs of " + ", ".join(_alike_counted(choice.outputs))
+
+
+def _alike_counted(groups) -> list[str]:
+    """Recompute group names, the k-th alike of a block (``name#k``) folded into ``name``."""
+    counts: dict[str, int] = {}
+    for name in groups:
+        base = re.sub(r"#\d+$", "", name)
+        counts[base] = counts.get(base, 0) + 1
+    return [f"{base} (x{n} per block)" if n > 1 else base for base, n in counts.items()]
 
 
 def _fold(items: list[str]) -> str:

@@ -36,7 +36,7 @@ _NODE_DTYPES = {
     "fp8_act_bytes": float, "fp8_const_bytes": float, "fp8_weight": str, "fp8_wgrad": bool,
     "forward": bool, "launch": bool,
     "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
-    "attention_kv_bytes": float, "rerun_selective": bool, "rerun_full": bool,
+    "attention_kv_bytes": float, "attention_seq": int, "rerun_selective": bool, "rerun_full": bool,
 }
 _SAVED_DTYPES = {"name": str, "bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool,
                  "layer": int, "heavy": bool, "kept_none": bool, "kept_selective": bool,
@@ -160,9 +160,10 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         written = info.bytes_written if parts.leaves[node.name] else 0
         tp_div = state == "S" or node.name in tp.sharded_matmul
         is_attn = any(k in str(node.target) for k in _ATTENTION) and info.phase == "forward"
-        kv = 0
+        kv, kv_len = 0, 0
         if is_attn:
             kv = sum(analysis.nodes[a.name].nbytes for a in node.args[1:3] if isinstance(a, torch.fx.Node))
+            kv_len = _attention_length(node)
         fp8_weight, fp8_role = parts.fp8_roles.get(node.name, ("", ""))
         fp8_act = fp8_const = 0
         if fp8_weight:  # the casts it pays: a cast shared with other matmuls, its share
@@ -191,7 +192,16 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         arrays["layer"].append(parts.layer_eff[node.name])
         arrays["is_attention"].append(is_attn)
         arrays["attention_kv_bytes"].append(kv)
+        arrays["attention_seq"].append(kv_len)
     return arrays
+
+
+def _attention_length(node: torch.fx.Node) -> int:
+    """The keys an attention node attends over: dim -2 of its key ([batch, heads, keys, dim]),
+    the tokens of a language model, the patches of an image model."""
+    key = node.args[1] if len(node.args) > 1 else None
+    shape = getattr(key.meta.get("val"), "shape", None) if isinstance(key, torch.fx.Node) else None
+    return int(shape[-2]) if shape is not None and len(shape) >= 2 else 0
 
 
 def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarray:

@@ -42,8 +42,8 @@ def block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:
 
     def build() -> float:
         params = facts.params
-        in_blocks = sum(  # experts whole on every ep rank, as the runtime stores them
-            n / (lay.tp if params.tp_sharded[p] else 1)
+        in_blocks = sum(  # a rank stores E/ep of the experts (passes/expert_parallel.py)
+            n / (lay.tp if params.tp_sharded[p] else 1) / (lay.ep if params.expert[p] else 1)
             for p, n in params.numel.items()
             if all(0 <= layer < n_layers for layer in params.stages_layer[p])
         )
@@ -52,4 +52,4 @@ def block_params(facts: StepFacts, lay: Layout, n_layers: int) -> float:
             default=0.0,
         )
         return in_blocks / facts.n_layers if facts.n_layers else largest
-    return facts.cache.get("block_params", (lay.tp,), build)
+    return facts.cache.get("block_params", (lay.tp, lay.ep), build)

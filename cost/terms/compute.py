@@ -13,7 +13,7 @@ from cost.hardware import GPUSpec
 from cost.memory import buffer_bytes, headroom_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import recipe
-from cost.stages import StageMemory, balanced_cuts
+from cost.stages import StageMemory, balanced_cuts, fitting_cuts
 from cost.step_facts import StepFacts
 from cost.terms.common import block_params, resolved
 from cost.terms.recompute import activation_memory, fixed_choice, local_saved_bytes
@@ -106,17 +106,19 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
         nbytes = nbytes + np.where(fp8, cast * FP8_CAST_BYTES_PER_INPUT_BYTE, 0.0)
     times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                            cluster.params.gemm_half_scale)
-    if n.is_attention.any() and not gpu.is_cpu:
-        att = n.is_attention & (flops > 0)
+    att = np.flatnonzero(n.is_attention & (flops > 0))
+    if len(att) and not gpu.is_cpu:
+        # each attention at its own keys (a language model's tokens, an image model's patches)
         rate = gpu.peak(compute_dtype(gpu, lay.precision)) * attention_efficiency(
-            gpu, facts.seq / cp, cluster.params.attention_efficiency, compute_dtype(gpu, lay.precision))
-        times = np.where(att, np.maximum(times, flops / rate), times)
+            gpu, n.attention_seq[att] / cp, cluster.params.attention_efficiency, compute_dtype(gpu, lay.precision))
+        times[att] = np.maximum(times[att], flops[att] / rate)
     return times
 
 
-def attention_efficiency(gpu: GPUSpec, seq: float, scale: float, dtype: str = "bf16") -> float:
+def attention_efficiency(gpu: GPUSpec, seq, scale: float, dtype: str = "bf16"):
     """Fraction of the dense peak a flash-attention kernel (forward and backward, causal, its
-    FLOPs counted as the kernel runs them: half the square) reaches at ``seq`` local tokens:
+    FLOPs counted as the kernel runs them: half the square) reaches at ``seq`` local tokens
+    (a number or an array, one per attention node):
 
         eff(s) = scale * e_gemm * s / (s + S_half)
 
@@ -236,7 +238,9 @@ def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
         memory = slot_memory(facts, cluster, layout)
         if memory.fits(chunk_map[1:-1], chunks):
             return chunk_map, chunk_map
-        blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
+        blocks = fitting_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
+        if blocks is None:  # no cut fits: the one that balances time (`balanced_cuts`)
+            return chunk_map, chunk_map
         return chunk_map, np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
 
     # the time cut is kept alive with the memory cut: its id is the key
@@ -260,6 +264,9 @@ def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemo
     if layout.zero == 3 and not layout.reshard and layout.dp * layout.cp > 1:
         per_param += rec.param_bytes  # the forward's gathered weights, kept to the backward
     static = _slot_params(facts, layout) * per_param
+    if layout.ep > 1:  # ZeRO shards the experts over their dp/ep owners only
+        per_expert = sum(model_state_bytes(1.0, rec, layout.zero, layout.dp * layout.cp, 1.0, layout.ep).values())
+        static = static + _slot_params(facts, layout, experts=True) * (per_expert - per_param)
     choice = fixed_choice(facts, layout) if layout.recompute != "auto" else RecomputeChoice("none")
     act, transient = activation_memory(facts, local_saved_bytes(facts, cluster, layout),
                                        np.clip(facts.saved.layer, -1, n) + 1, n + 2, choice)
@@ -272,12 +279,13 @@ def slot_memory(facts: StepFacts, cluster: Cluster, layout: Layout) -> StageMemo
                        float(static[-1]), float(act[-1]), flight, cluster.gpu.memory_bytes - shared)
 
 
-def _slot_params(facts: StepFacts, lay: Layout) -> np.ndarray:
+def _slot_params(facts: StepFacts, lay: Layout, experts: bool = False) -> np.ndarray:
     """Parameters each slot holds on one device after TP and EP sharding (a tied embedding on
-    both ends)."""
-    slots, weights, shared = _param_slots(facts, lay)
-    out = np.bincount(slots, weights=weights, minlength=max(facts.n_layers, 0) + 2).astype(float)
-    for local, where in shared:
+    both ends); ``experts``: the experts' part only."""
+    slots, weights, shared, expert = _param_slots(facts, lay)
+    out = np.bincount(slots, weights=expert if experts else weights,
+                      minlength=max(facts.n_layers, 0) + 2).astype(float)
+    for local, where in () if experts else shared:
         out[where] += local
     return out
 
@@ -300,42 +308,68 @@ def stage_of(facts: StepFacts, layer: np.ndarray, cluster: Cluster, layout: Layo
     """The pipeline stage of each block index in ``layer`` (-1 before the blocks, L after)."""
     if layout.pp == 1:
         return np.zeros(np.shape(layer), dtype=int)
-    return slot_stages(facts, cluster, layout)[np.clip(layer, -1, max(facts.n_layers, 0)) + 1]
+    return slot_stages(facts, cluster, layout)[_slot_index(facts, layer)]
+
+
+def _slot_index(facts: StepFacts, layer: np.ndarray) -> np.ndarray:
+    """The slot of each block index in ``layer``; kept for the facts' own node and saved-value
+    columns, which every pricing asks for."""
+    def build() -> np.ndarray:
+        return _read_only(np.clip(layer, -1, max(facts.n_layers, 0)) + 1)
+    if layer is facts.nodes.layer or layer is facts.saved.layer:
+        return facts.cache.get("slot_index", (layer is facts.nodes.layer,), build)
+    return build()
 
 
 def params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
-    """Parameters held by each pipeline stage after TP sharding (memoised). Expert parallelism
-    keeps every expert's parameters on every rank (passes/expert_parallel.py): not divided by ep."""
+    """Parameters held by each pipeline stage after TP and EP sharding (memoised): under ep each
+    rank stores E/ep of every list's experts (passes/expert_parallel.py)."""
     stage_map = slot_stages(facts, cluster, lay)
 
     def build() -> np.ndarray:
-        slots, weights, shared = _param_slots(facts, lay)
+        slots, weights, shared, _ = _param_slots(facts, lay)
         out = np.bincount(stage_map[slots], weights=weights, minlength=lay.pp).astype(float)
         for local, where in shared:
             for s in set(stage_map[where].tolist()):
                 out[s] += local  # a tied embedding lives on the first and the last stage
         return out
-    return facts.cache.get("stage_params", (lay.tp, lay.pp, stage_map.tobytes()), build)
+    return facts.cache.get("stage_params", (lay.tp, lay.ep, lay.pp, stage_map.tobytes()), build)
 
 
-def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list]:
-    """Each parameter's local size (after TP sharding; experts whole under ep) by the slots that
-    use it: the one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a
-    list of (size, slots); memoised per tp."""
+def expert_params_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
+    """The experts' part of `params_per_stage` (EP-local: / tp where TP-sharded, / ep), whose
+    gradients are reduced, and ZeRO-sharded, over their owners' dp/ep ranks; 0 at ep 1."""
+    if lay.ep == 1:
+        return np.zeros(lay.pp)
+    stage_map = slot_stages(facts, cluster, lay)
 
-    def build() -> tuple[np.ndarray, np.ndarray, list]:
+    def build() -> np.ndarray:
+        slots, _, _, experts = _param_slots(facts, lay)
+        return np.bincount(stage_map[slots], weights=experts, minlength=lay.pp).astype(float)
+    return facts.cache.get("stage_params", ("experts", lay.tp, lay.ep, lay.pp, stage_map.tobytes()), build)
+
+
+def _param_slots(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+    """Each parameter's local size (after TP and EP sharding) by the slots that use it: the
+    one-slot parameters as (slots, sizes) arrays, the others (tied, shared) as a list of
+    (size, slots), and the one-slot sizes' expert part (the size for an expert, else 0);
+    memoised per (tp, ep)."""
+
+    def build() -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
         params, n = facts.params, max(facts.n_layers, 0)
-        slots, weights, shared = [], [], []
+        slots, weights, shared, experts = [], [], [], []
         for name, numel in params.numel.items():
-            local = numel / (lay.tp if params.tp_sharded[name] else 1)
+            local = numel / (lay.tp if params.tp_sharded[name] else 1) / (lay.ep if params.expert[name] else 1)
             where = sorted({int(np.clip(layer, -1, n)) + 1 for layer in params.stages_layer[name]})
             if len(where) == 1:
                 slots.append(where[0])
                 weights.append(local)
+                experts.append(local if params.expert[name] else 0.0)
             else:
                 shared.append((local, np.array(where)))
-        return np.array(slots, dtype=int), np.array(weights, dtype=float), shared
-    return facts.cache.get("param_slots", (lay.tp,), build)
+        return (np.array(slots, dtype=int), np.array(weights, dtype=float), shared,
+                np.array(experts, dtype=float))
+    return facts.cache.get("param_slots", (lay.tp, lay.ep), build)
 
 
 def node_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:

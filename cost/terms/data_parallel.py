@@ -40,7 +40,7 @@ def gather_copy_s(cluster: Cluster, weight_bytes: float, ranks: int) -> float:
 def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: float,
             n_layers: int, fwd_s: float, bwd_s: float, recompute_s: float,
             tp_hidden_fwd_s: float = 0.0, tp_hidden_bwd_s: float = 0.0,
-            copied_params: float | None = None) -> tuple[float, float]:
+            copied_params: float | None = None, expert_params: float = 0.0) -> tuple[float, float]:
     """(exposed, total) seconds of the data-parallel communication of one step (0 without DP).
 
     The group is the dp ranks (dp*cp with CP: CP ranks hold the same weights). DP reduces the
@@ -61,28 +61,33 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     backward runs before any bucket is full, the last gather waits for the optimizer), and
     every hidden second costs `CostParams.overlap_slowdown` seconds of the compute it hides
     behind. stage_params: TP/EP-local parameters of the fullest stage; fwd_s, bwd_s,
-    recompute_s: that stage's seconds for one micro-batch.
+    recompute_s: that stage's seconds for one micro-batch. expert_params: the experts' part
+    of stage_params under ep, reduced and gathered over their owners (`expert_owners`), not
+    over the dp ranks: the two parts' collectives add up (none for owners of one rank).
     """
     dp_group_size = lay.dp * lay.cp
     if dp_group_size == 1:
         return 0.0, 0.0
     tp, cp, pp, m = lay.tp, lay.cp, lay.pp, lay.grad_accum
-    group = (axis_group(cluster, lay.dp, tp * cp * pp) if cp == 1
-             else axis_group(cluster, dp_group_size, tp))
-    grad_bytes = stage_params * (4.0 if (rec.grad_accum_bytes or lay.precision == "fp32")
-                                 else rec.grad_bytes)
-    weight_bytes = stage_params * rec.param_bytes
+    dense_group = (axis_group(cluster, lay.dp, tp * cp * pp) if cp == 1
+                   else axis_group(cluster, dp_group_size, tp))
+    parts = [(stage_params - expert_params, dense_group)]  # (parameters, the group reducing them)
+    if expert_params > 0 and lay.ep > 1:
+        parts.append((expert_params, expert_owners(cluster, lay)))
+    grad_per_param = 4.0 if (rec.grad_accum_bytes or lay.precision == "fp32") else rec.grad_bytes
     copied_bytes = (stage_params if copied_params is None else copied_params) * rec.param_bytes
     # blocks gathered one at a time (ZeRO-1/2 once per step, ZeRO-3 for the forward and the
     # backward of every micro-batch), plus the weights outside the blocks
     blocks = -(-n_layers // pp) + 1
-    if lay.zero == 0:
-        sync = bucketed("all_reduce", grad_bytes, group, cluster)
-        after = 0.0
-    else:
-        sync = bucketed(zero_reduction(cluster), grad_bytes, group, cluster)
-        after = (blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
-                 + gather_copy_s(cluster, copied_bytes, dp_group_size)) if lay.zero < 3 else 0.0
+
+    def gather_all() -> float:  # one all-gather of every block's weights, per group
+        return sum(blocks * collective_time("all_gather", n * rec.param_bytes / blocks, g, cluster)
+                   for n, g in parts if g is not None and n > 0)
+    kind = "all_reduce" if lay.zero == 0 else zero_reduction(cluster)
+    sync = sum(bucketed(kind, n * grad_per_param, g, cluster) for n, g in parts if g is not None)
+    after = 0.0
+    if 0 < lay.zero < 3:
+        after = gather_all() + gather_copy_s(cluster, copied_bytes, dp_group_size)
     params = cluster.params
     overlap = comm_overlap(cluster) * params.dp_overlap
     hidden_sync = min(sync, overlap * max(0.0, bwd_s + recompute_s - tp_hidden_bwd_s))
@@ -95,13 +100,21 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
         # prefetched one block ahead: hidden behind what that micro-batch's compute has left;
         # for the forward and again for the backward unless the gathered weights are kept
         gathers = 2 if lay.reshard else 1
-        gather = gathers * blocks * collective_time("all_gather", weight_bytes / blocks, group, cluster)
+        gather = gathers * gather_all()
         left = fwd_s + bwd_s + recompute_s - tp_hidden_fwd_s - tp_hidden_bwd_s - hidden_sync
         hidden = min(gather, overlap * max(0.0, left))
         copies = gathers * gather_copy_s(cluster, copied_bytes, dp_group_size)
         exposed += m * (gather - hidden + params.overlap_slowdown * hidden + copies)
         total += m * (gather + copies)
     return exposed, total
+
+
+def expert_owners(cluster: Cluster, lay: Layout):
+    """The group over which an expert's gradients are reduced and ZeRO shards it: the dp/ep
+    ranks that store the same experts (every ep-th data-parallel rank:
+    `runtime.mesh.expert_mesh`); None where that is one rank (no collective)."""
+    owners = lay.dp * lay.cp // lay.ep
+    return axis_group(cluster, owners, lay.tp * lay.cp * lay.pp * lay.ep) if owners > 1 else None
 
 
 def dp_step_syncs(cluster: Cluster, lay: Layout, counts_tokens: bool) -> float:

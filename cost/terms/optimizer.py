@@ -14,10 +14,13 @@ ADAM_BYTES_PER_PARAM = 30.0
 CPU_ADAM_BYTES_PER_PARAM = 68.0
 
 
-def optimizer_time(cluster: Cluster, lay: Layout, stage_params: float) -> float:
+def optimizer_time(cluster: Cluster, lay: Layout, stage_params: float, expert_params: float = 0.0) -> float:
     """Seconds of one AdamW step on the fullest stage's ``stage_params`` (TP/EP-local)
-    parameters, sharded over the dp*cp ranks by ZeRO >= 1."""
+    parameters, sharded over the dp*cp ranks by ZeRO >= 1; the experts' part of them
+    (``expert_params``, E/ep on a rank) over their dp*cp/ep owners."""
     gpu = cluster.gpu
-    opt_params = stage_params / (lay.dp * lay.cp if lay.zero >= 1 else 1)
+    dense = stage_params - expert_params
+    opt_params = dense / (lay.dp * lay.cp) + expert_params * lay.ep / (lay.dp * lay.cp) \
+        if lay.zero >= 1 else stage_params
     adam_bytes = CPU_ADAM_BYTES_PER_PARAM if gpu.is_cpu else ADAM_BYTES_PER_PARAM
     return opt_params * adam_bytes / (gpu.memory_bw * gpu.memory_efficiency)

@@ -30,6 +30,7 @@ the least memory (the layout does not fit).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -113,7 +114,18 @@ def rebuilt_peaks(local: np.ndarray, spans: np.ndarray, layer: np.ndarray, group
         return out
     delta = np.concatenate([local[rows], -local[rows]])
     owner = np.concatenate([group[rows], group[rows]])
-    np.maximum.at(out, owner[order], np.cumsum(delta[order]))
+    return group_max(np.cumsum(delta[order]), owner[order], groups)
+
+
+def group_max(values: np.ndarray, group: np.ndarray, groups: int) -> np.ndarray:
+    """max(0, the largest of ``values`` in each group) for groups 0..groups-1: ``np.maximum.at``
+    on zeros, with one group (a stage on its own) as a plain maximum, several times faster."""
+    out = np.zeros(groups)
+    if groups == 1:
+        if len(values):
+            out[0] = max(0.0, float(values.max()))
+        return out
+    np.maximum.at(out, group, values)
     return out
 
 
@@ -184,9 +196,8 @@ def transient_bytes(facts: StepFacts, kept: np.ndarray, stage: np.ndarray, pp: i
     `FUSED_LOSS_TRANSIENT` times instead (their gradient is written in place, and only the
     logits' low-precision gradient is new)."""
     loss = loss_rows(facts)
-    largest, held = np.zeros(pp), np.zeros(pp)
-    np.maximum.at(largest, stage, np.where(loss, 0.0, kept))
-    np.maximum.at(held, stage, np.where(loss, kept, 0.0))
+    largest = group_max(np.where(loss, 0.0, kept), stage, pp)
+    held = group_max(np.where(loss, kept, 0.0), stage, pp)
     return np.maximum(2.0 * largest, FUSED_LOSS_TRANSIENT * held)
 
 
@@ -243,7 +254,8 @@ def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndar
             local * np.isin(stage, [s for s in range(pp) if choices[s] == choice])
         kept = framework_kept(facts, mine * cols.kept, choice, block_input)
         per_stage += np.bincount(stage, weights=kept, minlength=pp)
-        transient = np.maximum(transient, transient_bytes(facts, kept, stage, pp))
+        # the step's largest transient counts on every stage (`.max()` below): one group, same value
+        transient = np.maximum(transient, transient_bytes(facts, kept, np.zeros_like(stage), 1))
         rebuilt = np.maximum(rebuilt, rebuilt_peaks(mine, cols.rebuilt, facts.saved.layer, stage, pp,
                                                     choice_sweep(facts, choice)))
     return per_stage, transient.max() + rebuilt
@@ -337,8 +349,12 @@ def _rebuilt_peaks_apart(local: np.ndarray, group: np.ndarray, groups: int,
         return out
     delta = np.concatenate([local[rows], -local[rows]])[order]
     owner = np.concatenate([group[rows], group[rows]])[order]
-    for g in np.unique(owner):
-        out[g] = max(0.0, float(np.cumsum(delta[owner == g]).max()))
+    if np.any(owner[1:] < owner[:-1]):  # the sweep runs block by block: in stage order already
+        by = np.argsort(owner, kind="stable")  # each group's events, in sweep order
+        owner, delta = owner[by], delta[by]
+    starts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))
+    for start, end in zip(starts, [*starts[1:], len(owner)]):
+        out[owner[start]] = max(0.0, float(np.cumsum(delta[start:end]).max()))
     return out
 
 
@@ -350,7 +366,8 @@ def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flig
 
     ``cache``: a dict the caller keeps per (``local``, ``stage``, ``node_stage``, ``times``,
     ``stage_base_s``): it holds what is computed here from those alone (each choice's saved
-    and transient bytes, each group's bytes freed and seconds added), so that layouts that
+    and transient bytes, each group's bytes freed and seconds added, the subsets ranked by
+    their seconds), so that layouts that
     differ only in ``room`` and ``flight`` (ZeRO, schedule) share them; the same values."""
     pp = len(room)
     c = cache if cache is not None else {}
@@ -375,23 +392,35 @@ def knapsack_choice(facts: StepFacts, local: np.ndarray, stage: np.ndarray, flig
     useful = [i for i in range(len(groups)) if freed[i].max() > 0]
     sel_per_stage, sel_transient = _stage_memory(facts, local, stage, pp, RecomputeChoice("selective"), c)
     need = sel_per_stage * flight + sel_transient - room  # bytes to free per stage (> 0 somewhere)
+    # the additive estimate ranks the subsets; each is then checked on its exact columns
+    # (rebuilt sets and shared roots do not add up), cheapest first
     if len(useful) <= MAX_EXACT_GROUPS:
-        subsets = np.array(list(itertools.product((0, 1), repeat=len(useful))), dtype=float)
+        subsets = _all_subsets(len(useful))
+        if ("ranked", *useful) not in c:  # the ranking reads the seconds alone: kept
+            step_s = (base_s + subsets @ seconds[useful]).max(axis=1)
+            c[("ranked", *useful)] = np.argsort(step_s, kind="stable")
+        ranked = c[("ranked", *useful)]
     else:  # greedy prefixes by seconds per byte freed on the fullest stage
         worst = int(np.argmax(need))
         order = sorted(useful, key=lambda i: seconds[i].sum() / max(freed[i, worst], 1.0))
         subsets = np.tril(np.ones((len(order) + 1, len(order))), -1)
         useful = order
-    step_s = (base_s + subsets @ seconds[useful]).max(axis=1)
-    # the additive estimate ranks the subsets; each is then checked on its exact columns
-    # (rebuilt sets and shared roots do not add up), cheapest first
+        ranked = np.argsort((base_s + subsets @ seconds[useful]).max(axis=1), kind="stable")
     enough = np.all(subsets @ freed[useful] >= need - 1e-6 * np.abs(room), axis=1)
-    for row in [r for r in np.argsort(step_s, kind="stable") if enough[r]][:MAX_EXACT_CHECKS]:
+    for row in ranked[enough[ranked]][:MAX_EXACT_CHECKS]:
         outputs = tuple(groups[useful[i]] for i in np.flatnonzero(subsets[row]))
         choice = _normalised(facts, RecomputeChoice("selective", outputs))
         if fits(choice):
             return choice
     return RecomputeChoice("full")
+
+
+@functools.cache
+def _all_subsets(n: int) -> np.ndarray:
+    """Every subset of n items as 0/1 rows, in `itertools.product` order (read-only)."""
+    out = np.array(list(itertools.product((0, 1), repeat=n)), dtype=float)
+    out.flags.writeable = False
+    return out
 
 
 def _stage_memory(facts: StepFacts, local: np.ndarray, stage: np.ndarray, pp: int,

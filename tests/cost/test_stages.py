@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from meta_steps import llama_like
 
 from cost import Cluster, Layout
-from cost.stages import StageMemory, balanced_cuts
+from cost.stages import StageMemory, balanced_cuts, fitting_cuts
 from cost.step import predict
 from cost.terms.compute import slot_memory, slot_stages
 
@@ -71,7 +71,9 @@ def test_cuts_under_memory_equal_brute_force(cost, data, before, after, budget):
     best = _brute_force_memory(cost, pp, before, after, memory)
     if best == float("inf"):  # nothing fits: the cut that balances time
         assert list(stages) == list(balanced_cuts(np.array(cost), pp, before, after))
+        assert fitting_cuts(np.array(cost), pp, before, after, memory) is None
         return
+    assert list(fitting_cuts(np.array(cost), pp, before, after, memory)) == list(stages)
     assert memory.fits(stages, pp)
     per = np.bincount(stages, weights=cost, minlength=pp)
     per[0] += before

@@ -11,6 +11,7 @@ import torch
 from autopar import models
 from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
+from autopar.execution.rewrite import captured_signature
 from autopar.search.step import CapturedStep
 from cost import Cluster
 from passes.expert_parallel import ExpertParallelError, apply_expert_parallel
@@ -41,16 +42,29 @@ def test_all_to_alls_and_local_weights():
 
 
 def _check_rank(graph, gm, rank: int) -> None:
-    paths = apply_expert_parallel(gm, AxisGroup("ep", 2, rank))
-    assert sorted(paths) == [f"layers.{i}.mlp.experts" for i in range(5)]
+    done = apply_expert_parallel(gm, AxisGroup("ep", 2, rank))
+    assert sorted(done.paths) == [f"layers.{i}.mlp.experts" for i in range(5)]
     nodes = list(gm.graph.nodes)
     a2a = [n for n in nodes if n.target == A2A]
     assert len(a2a) == 4 * 5
     assert all(n.meta["autopar"].startswith("EP over 2 ranks") for n in a2a)
-    # the grouped computation reads rows [r m, (r+1) m) of each stacked weight, n times
-    slices = [n for n in nodes if n.target == torch.ops.aten.slice.Tensor and "EP over" in n.meta.get("autopar", "")]
-    assert len(slices) == 5 * 3 and all(tuple(n.args[1:]) == (0, 2 * rank, 2 * rank + 2) for n in slices)
-    assert all(list(u.args[1])[0] == 2 for n in slices for u in n.users)  # repeated over the 2 ranks
+    # the grouped computation reads a stack of this rank's 2 experts' parameters, repeated over
+    # the 2 ranks; the other 2 experts' parameters are no longer graph inputs
+    stacks = [n for n in nodes if n.target == torch.ops.aten.stack.default and "EP over" in n.meta.get("autopar", "")]
+    assert len(stacks) == 5 * 3 and all(len(n.args[0]) == 2 for n in stacks)
+    assert all(list(u.args[1])[0] == 2 for n in stacks for u in n.users)
+    holders = {n.name for n in nodes if n.op == "placeholder"}
+    assert len(done.local) == len(done.dropped) == 5 * 3 * 2
+    assert set(done.local) <= holders and not set(done.dropped) & holders
+    name_of = {node: name for name, node in captured_signature(graph).placeholder_of("param").items()}
+    expert = {name_of[node]: int(name_of[node].split(".experts.")[1].split(".")[0])
+              for node in done.local + done.dropped}
+    assert {e for n, e in expert.items() if n in {name_of[h] for h in done.local}} == {2 * rank, 2 * rank + 1}
+    assert set(expert.values()) == {0, 1, 2, 3}
+    # the dropped experts' gradients are no outputs: None in their places
+    outs = next(n for n in nodes if n.op == "output").args[0]
+    captured = next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]
+    assert sum(o is None for o in outs) - sum(o is None for o in captured) == len(done.dropped)
 
 
 def test_refusals():
@@ -84,3 +98,59 @@ def test_what_runs_under_ep():
                          ({"cp": 2}, "context parallelism"), ({"fp8": "all"}, "FP8")):
         (why,) = unsupported_decisions(Layout(dp=2, ep=2, **extra))
         assert "expert parallelism (ep=2) with" in why and words in why, why
+
+
+def test_local_experts_reduced_and_sharded_over_their_owners():
+    """After the EP pass, the DP pass (dp 4, ep 2: the owners of a rank's experts are 2 ranks)
+    reduces the local experts' gradients, and ZeRO gathers their weights, over the owners'
+    group only, every other parameter over the dp group; an owners' group of one rank (ep = dp)
+    gets no collective at all."""
+    from passes.data_parallel import apply_data_parallel
+    from vocab.plan_types import CommPlan, DataParallelPlan
+
+    graph = _captured(layers=2)
+    for owners in (2, 1):
+        gm = copy.deepcopy(graph.gm)
+        done = apply_expert_parallel(gm, AxisGroup("ep", 2, 1))
+        signature = _without(captured_signature(graph), gm, done.dropped)
+        name_of = {node: name for name, node in signature.placeholder_of("param").items()}
+        experts = {name_of[node] for node in done.local}
+        shapes = {n: s for n, s in graph.param_shapes.items() if n in name_of.values()}
+        sharded = frozenset(n for n, s in shapes.items() if s[0] % 4 == 0)
+        apply_data_parallel(gm, signature, shapes, DataParallelPlan(3, sharded, CommPlan()),
+                            AxisGroup("dp", 4, 3), groups=dict.fromkeys(experts, AxisGroup("owners", owners, 1)))
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        for name, index in signature.grad_index.items():
+            group = _first_collective(outs[index])
+            want = ("owners" if owners > 1 else "ep") if name in experts else "dp"
+            assert group == want, (name, group, want)
+        gathers = {n.args[-1] for n in gm.graph.nodes
+                   if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default}
+        assert gathers == ({"dp", "owners"} if owners > 1 else {"dp"})
+
+
+def _first_collective(value) -> str:
+    """The group of the first collective (not a wait) met walking back from ``value``."""
+    seen, todo = set(), [value]
+    while todo:
+        node = todo.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if str(node.target).startswith("_c10d_functional.") and \
+                node.target is not torch.ops._c10d_functional.wait_tensor.default:
+            return node.args[-1]
+        todo.extend(node.all_input_nodes)
+    return ""
+
+
+def _without(signature, gm, dropped):
+    """``signature`` without the dropped placeholders and the gradients the graph no longer
+    returns (as autopar.execution.rewrite does after the EP pass)."""
+    from autopar.execution.rewrite import _signature
+
+    gone = {name for (kind, name), node in zip(signature.inputs, signature.placeholders) if node in set(dropped)}
+    inputs = [i for i, node in zip(signature.inputs, signature.placeholders) if node not in set(dropped)]
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    grads = {n: i for n, i in signature.grad_index.items() if n not in gone and outs[i] is not None}
+    return _signature(gm, inputs, grads, signature.loss_index, signature.buffer_index)

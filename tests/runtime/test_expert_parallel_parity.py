@@ -5,9 +5,19 @@ zoo Mixtral (4 experts, 5 layers: the capture repeats the middle block) and a pl
 top-2 MoE written here (`top2_moe_lm`: 8 SwiGLU experts with biases, every expert on every token
 weighted by its renormalised top-2 gate, results stacked along dim -2), each under two losses
 (the model's mean cross-entropy, and a label-smoothed one over the tokens left after masking
-some labels with -100), with ZeRO and gradient accumulation. 2 ranks (ep2 x dp2 in one group)
-in the default suite; 4 ranks (ep2 in two groups of dp4, also with full recompute, and ep4)
-under ``slow``. The rank's graph holds the all-to-alls (`dump_graph` names them).
+some labels with -100), with ZeRO and gradient accumulation, and the solver's own plan for the
+zoo Mixtral (on a fixed CPU profile it picks ep2). 2 ranks (ep2 x dp2 in one group)
+in the default suite; 4 ranks (ep2 in two groups of dp4, whose experts' owners are 2 ranks
+over which ZeRO 1-3 shard them, also with full recompute, and ep4) under ``slow``. The rank's graph holds the all-to-alls
+(`dump_graph` names them).
+
+Each rank stores only its E/ep experts (`_storage`): its expert parameters are 1/ep of them,
+on the mesh of their dp/ep owners, and every rank's together are the model's; the gradients
+and updated parameters are compared on the rank that holds them (every expert on its owners).
+The user-facing state is whole: ``pm.full_state_dict()`` after training equals the one-device
+model's, a torch.distributed.checkpoint save and load and a load of the one-device state dict
+restore every rank's experts, and ``pm.eval()`` is refused naming the fix; under ``slow`` the ep checkpoint also loads into the
+model parallelised without ep.
 """
 
 import copy
@@ -83,19 +93,110 @@ def _cases():
     }
 
 
-def _worker(rank: int, world: int, runs: list[tuple]) -> list[tuple]:
+def _storage(pm, ref, label, ep: int, dp: int) -> list[tuple]:
+    """The rank holds 1/ep of the experts' parameters, on their owners' mesh of dp/ep ranks;
+    the ranks' names together are the model's."""
+    import torch.distributed as dist
+
+    failures = []
+    mine = {n for n, _ in pm.named_parameters()}
+    experts = {n for n, _ in ref.named_parameters() if ".experts." in n}
+    held = mine & experts
+    if len(held) * ep != len(experts):
+        failures.append((*label, f"holds {len(held)} of {len(experts)} expert parameters, not 1/{ep}"))
+    meshes = {p.device_mesh.size() for n, p in pm.named_parameters() if n in held}
+    if meshes != {dp // ep}:
+        failures.append((*label, f"experts on meshes of {meshes} ranks, not their {dp // ep} owners"))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    if set().union(*map(set, everyone)) != {n for n, _ in ref.named_parameters()}:
+        failures.append((*label, "the ranks' parameters together are not the model's"))
+    return failures
+
+
+def _whole_state(pm, ref, label, path: str | None) -> tuple[list[tuple], dict]:
+    """``full_state_dict`` gathers every expert as the one-device model holds it; a DCP save and
+    load, and a load of the one-device state dict, bring every rank's experts back after they
+    are overwritten; eval is refused. Returns the failures and the gathered state (what a
+    checkpoint at ``path`` holds)."""
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.errors import InputError
+
+    failures = []
+    whole = pm.full_state_dict()
+    for name, value in ref.state_dict().items():
+        if name not in whole or not torch.allclose(whole[name], value, rtol=1e-5, atol=1e-6):
+            failures.append((*label, f"full_state_dict()[{name!r}] is not the one-device value"))
+    if path is not None:
+        dcp.save(pm.state_dict(), checkpoint_id=path)
+        with torch.no_grad():
+            for p in pm.parameters():
+                p.zero_()
+        state = pm.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        pm.load_state_dict(state)
+        for name, p in pm.named_parameters():
+            if not torch.equal(p.full_tensor(), whole[name]):
+                failures.append((*label, f"{name} not restored by a DCP save and load"))
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.zero_()
+    one_device = ref.state_dict()
+    pm.load_state_dict(one_device)  # one device's whole tensors: each rank takes its experts
+    for name, p in pm.named_parameters():
+        if not torch.equal(p.full_tensor(), one_device[name]):
+            failures.append((*label, f"{name} not loaded from a one-device state dict"))
+    pm.eval()
+    try:
+        pm(*_batch(64))
+        failures.append((*label, "pm.eval() ran on a rank holding a share of the experts"))
+    except InputError as exc:
+        if "expert parallelism" not in str(exc) or "full_state_dict" not in str(exc):
+            failures.append((*label, "eval refusal does not name the fix", str(exc)))
+    pm.train()
+    return failures, whole
+
+
+def _reloaded(build, world: int, batch, loss_fn, layout: dict, path: str, whole: dict, label) -> list[tuple]:
+    """The untrained model under another layout (no ep) loads the ep run's DCP checkpoint of the
+    trained one: every parameter is the one the ep ranks saved."""
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+
+    fresh = autopar.parallelize(build(), world, example_inputs=batch, layout=autopar.Layout(**layout),
+                                loss_fn=loss_fn)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    return [(*label, f"{name} not loaded under {layout}") for name, p in fresh.named_parameters()
+            if not torch.equal(p.full_tensor(), whole[name])]
+
+
+def _worker(rank: int, world: int, runs: list[tuple], path: str | None = None,
+            reload: dict | None = None) -> list[tuple]:
     import autopar
 
     cases = _cases()
     failures = []
-    for name, degrees, smoothed in runs:
+    for i, (name, degrees, smoothed) in enumerate(runs):
         build, vocab = cases[name]
         model = build()
         ref = copy.deepcopy(model)
         batch = _batch(vocab, mask=smoothed)
         loss_fn = masked_smoothed if smoothed else None
-        pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees),
-                                 loss_fn=loss_fn)
+        if degrees == "solver":  # the solver's own plan, on a fixed CPU profile: it picks ep
+            plan = autopar.plan(model, batch, loss_fn=loss_fn,
+                                cluster=autopar.Cluster("cpu", nodes=1, gpus_per_node=world))
+            degrees = {"dp": plan.layout.dp, "ep": plan.layout.ep}
+            if plan.layout.ep == 1:
+                failures.append((name, plan.layout.short(), "the solver did not pick ep"))
+                continue
+            pm = autopar.parallelize(model, world, example_inputs=batch, plan=plan)
+        else:
+            pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees),
+                                     loss_fn=loss_fn)
         label = (name, pm.plan.layout.short(), "masked smoothed CE" if smoothed else "mean CE")
         failures += contract(pm, label)
         dump = pm.dump_graph()
@@ -106,7 +207,13 @@ def _worker(rank: int, world: int, runs: list[tuple]) -> list[tuple]:
         else:
             def ref_fn(ids, labels, ref=ref):
                 return masked_smoothed(ref(ids), labels)
+        failures += _storage(pm, ref, label, degrees["ep"], degrees["dp"])
         failures += train_and_compare(pm, _Ref(ref, ref_fn), batch, label, steps=2, optimizers=(sgd,))
+        saved = f"{path}/{i}" if path and i == 0 else None
+        problems, whole = _whole_state(pm, ref, label, saved)
+        failures += problems
+        if saved and reload:
+            failures += _reloaded(build, world, batch, loss_fn, reload, saved, whole, label)
         torch.distributed.barrier()
     return failures
 
@@ -126,18 +233,21 @@ class _Ref(nn.Module):
         return self.model.named_parameters(*args, **kwargs)
 
 
-def test_ep2_matches_one_device():
-    runs = [("tiny-mixtral", {"dp": 2, "ep": 2}, False),
+def test_ep2_matches_one_device(tmp_path):
+    runs = [("tiny-mixtral", "solver", False),  # the solver's plan: dp2 ep2
             ("tiny-mixtral", {"dp": 2, "ep": 2, "zero": 3}, True),
             ("top2-moe", {"dp": 2, "ep": 2, "zero": 1, "grad_accum": 2}, False),
             ("top2-moe", {"dp": 2, "ep": 2, "zero": 2}, True)]
-    assert spawn(_worker, 2, (runs,), timeout_s=900) == [[], []]
+    assert spawn(_worker, 2, (runs, str(tmp_path)), timeout_s=900) == [[], []]
 
 
 @pytest.mark.slow
-def test_ep_on_four_ranks_matches_one_device():
-    runs = [("tiny-mixtral", {"dp": 4, "ep": 2, "recompute": "full"}, False),
+def test_ep_on_four_ranks_matches_one_device(tmp_path):
+    runs = [("top2-moe", {"dp": 4, "ep": 2, "zero": 3}, True),
+            ("tiny-mixtral", {"dp": 4, "ep": 2, "recompute": "full"}, False),
+            ("tiny-mixtral", {"dp": 4, "ep": 2, "zero": 2}, True),
             ("tiny-mixtral", {"dp": 4, "ep": 4, "zero": 3}, True),
             ("top2-moe", {"dp": 4, "ep": 4}, True),
             ("top2-moe", {"dp": 4, "ep": 2, "zero": 1, "grad_accum": 2}, False)]
-    assert spawn(_worker, 4, (runs,), timeout_s=1500) == [[], [], [], []]
+    reload = {"dp": 4, "zero": 1}  # the ep2 x ZeRO-3 checkpoint loaded without ep
+    assert spawn(_worker, 4, (runs, str(tmp_path), reload), timeout_s=1500) == [[], [], [], []]

@@ -114,3 +114,19 @@ def test_generic_model_with_a_loss_fn_plans():
     plan = autopar.plan(net, (x, y), cluster=autopar.Cluster("h100", nodes=1, gpus_per_node=2),
                         loss_fn=torch.nn.functional.cross_entropy)
     assert plan.predicted.fits and plan.layout.world_size == 2
+
+
+def test_the_summary_counts_alike_recompute_groups_of_a_block():
+    """Eight experts' projections in a block are eight groups (``...up_proj.weight#k``): the
+    plan's recompute line counts them rather than listing each."""
+    from autopar.search.step import captured_step
+
+    model = models.build("tiny-mixtral", device="meta")
+    inputs = models.example_inputs("tiny-mixtral", batch=4, seq=32, device="meta")
+    groups = captured_step(model, inputs, None, torch.float32).facts().recompute_groups
+    experts = tuple(g for g in groups if ".experts." in g)
+    assert len(experts) >= 8 and any("#" in g for g in experts)
+    plan = autopar.plan(model, inputs, cluster=autopar.Cluster("cpu", nodes=1, gpus_per_node=2),
+                        layout=autopar.Layout(dp=2, recompute=experts))
+    line = next(x for x in plan.summary().splitlines() if "recompute" in x and "->" in x)
+    assert "#" not in line and "per block)" in line, line
