@@ -317,7 +317,7 @@ def _executable(layout: Layout, precision: str) -> None:
         raise UnsupportedLayoutError(
             f"layout {layout.short()}: autopar.parallelize does not execute "
             + "; ".join(missing) + " yet. Drop what is named (each says what runs today: DP, ZeRO, "
-            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO and TP with or without SP, ep with DP and "
+            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO, TP+SP and pipelines, ep with DP and "
             "ZeRO, any recompute, the model's precision), or use the plan for its predictions")
 
 
