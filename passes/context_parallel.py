@@ -35,7 +35,10 @@ collectives over ranks holding the same positions): those collectives run on the
 with their cp placement, and the ring runs on the rank's heads. Tokens flattened from
 [batch, seq] are a `_StridedShard` over cp, which DTensor's element-wise, ``gather`` and
 ``index_put`` rules do not take: the pass runs those ops on the rank's tokens itself, values of
-the data of the same shape sliced alike. Under `autopar.parallelize` the gradients leave as
+the data of the same shape sliced alike. Under TP's sequence parallelism SP splits the CP
+rank's sequence over tp, cp outer and tp inner: SP's split and concatenation run on the rank's
+local sequence, so its all-gather rebuilds the rank's chunks for the ring
+(`passes.cp_sequence_parallel`). Under `autopar.parallelize` the gradients leave as
 partial sums (``reduce_grads=False``) and the data-parallel pass reduces them over dp x cp.
 
 Cross-entropy's mean over tokens (nll_loss over [tokens, C], nll_loss2d over [N, C, d1, ...]:
@@ -63,6 +66,14 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from passes.cp_balance import ZigzagError, zigzag_shards
+from passes.cp_sequence_parallel import (
+    SequenceParallelError,
+    SequenceRegion,
+    is_sp_cat,
+    is_sp_split,
+    sp_cat,
+    sp_split,
+)
 from passes.tensor_parallel import (
     _COLLECTIVE_PREFIX,
     TensorParallelError,
@@ -242,9 +253,12 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
         raise
     gathered = []
     data = data_only(gm, signature)
+    cp_group = mesh.get_group().group_name
     for node in traced.graph.nodes:
         reason = node.meta.get("custom", {}).get("autopar")
-        if reason and (str(node.target).startswith(_COLLECTIVE_PREFIX) or "ring_attention" in str(node.target)):
+        if reason and str(node.target).startswith(_COLLECTIVE_PREFIX) and cp_group not in node.args:
+            node.meta["autopar"] = reason  # a collective of the TP graph, over the TP ranks
+        elif reason and (str(node.target).startswith(_COLLECTIVE_PREFIX) or "ring_attention" in str(node.target)):
             node.meta["autopar"] = _cp_words(reason)
             if not any(g in str(node.target) for g in _GATHERS):
                 continue
@@ -282,6 +296,7 @@ class _Runner:
         self._tp_call = interp._call
         interp._call = self._call
         self._split: dict = {}  # node, or (node, placements): its rank-local slice
+        self.region = SequenceRegion(self.mesh.size())  # TP's SP blocks of the rank's sequence
 
     def run(self, *args):
         holders = [n for n in self.interp.gm.graph.nodes if n.op == "placeholder"]
@@ -337,6 +352,8 @@ class _Runner:
                         env[node] = self._call(node, env)
                     except (TensorParallelError, ContextParallelError):
                         raise
+                    except SequenceParallelError as exc:
+                        raise ContextParallelError(str(exc)) from exc
                     except ZigzagError as exc:
                         n = self.mesh.size()
                         raise ContextParallelError(
@@ -371,6 +388,26 @@ class _Runner:
         return ChainMap(fixed, env) if fixed else env
 
     def _call(self, node: fx.Node, env):
+        """``node`` on the rank's positions; TP's sequence-parallel split and concatenation on
+        the rank's local sequence (`passes.cp_sequence_parallel`), the values between them
+        checked to stay the rank's SP blocks."""
+        if is_sp_split(node):
+            out = sp_split(node, env[node.args[0]], self.mesh.size())
+            if out is not None:
+                self.region.enter(node)
+                return out
+        if is_sp_cat(node):
+            out = sp_cat(node, [env[p] for p in node.args[0]])
+            if out is not None:
+                return out
+        if not self.region.inside(node):
+            return self._call_op(node, env)
+        local = self.region.rank_inputs(node, env, self.data, _where(node))
+        out = self._call_op(node, ChainMap(local, env) if local else env)
+        self.region.check_output(node, out, _where(node))
+        return out
+
+    def _call_op(self, node: fx.Node, env):
         if node.target not in (ATTENTION, ATTENTION_BACKWARD):  # the ring takes the mask whole
             env = self._split_data(node, env)
         if node.target is ATTENTION:

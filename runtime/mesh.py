@@ -65,16 +65,23 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ("dp", "tp") mesh whose "dp" axis is the dp x cp ranks of a ("dp", "cp", "tp")
     ``mesh`` (rank (d, c) at d * cp + c; Megatron's dp-cp group): ZeRO under context
     parallelism shards over it, since parameters are replicated over cp and gradients are
-    summed over dp x cp. Made once per mesh (every rank must call it, in the same order: it
-    creates process groups)."""
+    summed over dp x cp. Of a ("dp", "pp", "cp", "tp") mesh: the ("dp", "pp", "tp") mesh with
+    the dp x cp ranks on "dp" (rank (d, p, c, t) at (d * cp + c, p, t)), a pipeline's ZeRO-1
+    rows over them. Made once per mesh (every rank must call it, in the same order: it creates
+    process groups)."""
     names = tuple(mesh.mesh_dim_names or ())
-    if names != ("dp", "cp", "tp"):
-        raise ValueError(f"dp_cp_mesh needs a ('dp', 'cp', 'tp') mesh, got {names}")
-    dp, cp, tp = mesh.shape
+    if names not in (("dp", "cp", "tp"), ("dp", "pp", "cp", "tp")):
+        raise ValueError(f"dp_cp_mesh needs a ('dp', 'cp', 'tp') or ('dp', 'pp', 'cp', 'tp') mesh, got {names}")
     # keyed by the mesh object, kept alive beside its flattening (a new process group makes a
     # new mesh, never a stale hit)
     if id(mesh) not in _DP_CP:
-        flat = DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp * cp, tp), mesh_dim_names=("dp", "tp"))
+        if len(names) == 3:
+            dp, cp, tp = mesh.shape
+            flat = DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp * cp, tp), mesh_dim_names=("dp", "tp"))
+        else:
+            dp, pp, cp, tp = mesh.shape
+            grid = mesh.mesh.permute(0, 2, 1, 3).reshape(dp * cp, pp, tp)
+            flat = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("dp", "pp", "tp"))
         _DP_CP[id(mesh)] = (mesh, flat)
     return _DP_CP[id(mesh)][1]
 

@@ -287,15 +287,14 @@ def unsupported_decisions(layout: Layout) -> list[str]:
     if layout.cp > 1:
         # the sequence split over cp with ring attention (passes/context_parallel.py), with DP,
         # ZeRO 1-3 (sharded over the dp x cp ranks, as the cost model prices it), TP (ring
-        # attention on the rank's heads) and recompute; not yet composed with these. SP would
-        # split over tp the sequence cp already splits: its gathers are not cp-aware
+        # attention on the rank's heads), TP+SP (SP splits the CP rank's sequence over tp:
+        # passes/cp_sequence_parallel.py), pipelines (gradients all-reduced over cp in the
+        # graph; ZeRO-1's rows over the dp x cp ranks) and recompute; not yet composed with FP8
         with_cp = [what for what, on in (
-            (f"TP's sequence parallelism (tp={layout.tp} with sp; use sp=False)", layout.sp),
-            (f"pipelines (pp={layout.pp})", layout.pp > 1),
-            (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8")) if on]
+            (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8"),) if on]
         if with_cp:
             out.append(f"context parallelism (cp={layout.cp}) with " + ", ".join(with_cp)
-                       + " (cp runs with data parallelism, ZeRO and TP without SP only)")
+                       + " (cp runs with data parallelism, ZeRO, TP with or without SP, and pipelines only)")
     if layout.ep > 1:
         # the experts over ep consecutive dp ranks with all-to-alls (passes/expert_parallel.py),
         # with DP and ZeRO 0-3; not yet composed with these

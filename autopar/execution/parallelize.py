@@ -198,10 +198,13 @@ def parallelize(
     module = copy.deepcopy(model)
     held = state.pipeline.params if state.pipeline else None
     params_mesh = mesh
-    if lay.cp > 1:  # parameters are replicated over cp: each cp rank's copy on its (dp, tp) mesh,
-        # ZeRO shards them over the dp x cp ranks
+    if lay.cp > 1 and lay.pp == 1:  # parameters are replicated over cp: each cp rank's copy on
+        # its (dp, tp) mesh, ZeRO shards them over the dp x cp ranks (a pipeline's stage holds its
+        # parameters on the (dp, tp) mesh of its stage, replicated over cp)
         params_mesh = dp_cp_mesh(mesh) if lay.zero else mesh["dp", "tp"]
         mesh = mesh["dp", "tp"]
+    elif lay.cp > 1 and lay.zero:  # a pipeline's ZeRO-1 rows over the dp x cp ranks
+        params_mesh = dp_cp_mesh(mesh)
     meshes = None
     if lay.ep > 1:  # each rank stores its own experts only, on their owners' ("dp", "tp") mesh
         held = set(state.signature.placeholder_of("param"))
@@ -218,6 +221,11 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
     """What the executor runs on this rank: the rewritten graph, what feeds it and reads it."""
     lay, signature = state.layout, state.signature
     inputs = list(signature.inputs) + state.accum_inputs
+    dp, group = lay.dp, state.mesh["dp"].get_group() if lay.dp > 1 else None
+    if lay.pp > 1 and lay.cp > 1 and lay.zero:
+        # ZeRO-1 in a pipeline under cp: the step's gradients (all-reduced over cp in the graph)
+        # averaged over the dp x cp ranks after the schedule, each keeping its rows
+        dp, group = lay.dp * lay.cp, dp_cp_mesh(state.mesh)["dp"].get_group()
     return RankGraph(
         gm=state.gm,
         inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
@@ -227,8 +235,8 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
         accumulate_gm=state.accumulate_gm,
         buffer_index=signature.buffer_index,
         reduction=state.reduction,
-        dp=lay.dp,
-        dp_group=state.mesh["dp"].get_group() if lay.dp > 1 else None,
+        dp=dp,
+        dp_group=group,
         pipeline=state.pipeline,
         other_index=list(state.others),
     )
@@ -273,9 +281,9 @@ def _check_call(model: nn.Module, mesh, example_inputs, loss_reduction: str) -> 
 
 def _mesh_for(mesh: DeviceMesh | int, layout: Layout, device_type: str) -> DeviceMesh:
     """A ("dp", "tp") mesh for the layout, ("dp", "pp", "tp") under a pipeline, ("dp", "cp",
-    "tp") under context parallelism (the playbook's rank order: TP innermost, in a node): the
-    user's, if it already has that shape."""
-    names = ("dp", "pp", "tp") if layout.pp > 1 else ("dp", "cp", "tp") if layout.cp > 1 else ("dp", "tp")
+    "tp") under context parallelism, ("dp", "pp", "cp", "tp") under both (the playbook's rank
+    order: TP innermost, in a node): the user's, if it already has that shape."""
+    names = ("dp",) + (("pp",) if layout.pp > 1 else ()) + (("cp",) if layout.cp > 1 else ()) + ("tp",)
     shape = tuple(getattr(layout, n) for n in names)
     if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == names and tuple(mesh.shape) == shape:
         return mesh
@@ -309,7 +317,7 @@ def _executable(layout: Layout, precision: str) -> None:
         raise UnsupportedLayoutError(
             f"layout {layout.short()}: autopar.parallelize does not execute "
             + "; ".join(missing) + " yet. Drop what is named (each says what runs today: DP, ZeRO, "
-            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO and TP without SP, ep with DP and "
+            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO, TP+SP and pipelines, ep with DP and "
             "ZeRO, any recompute, the model's precision), or use the plan for its predictions")
 
 

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -295,7 +296,7 @@ def _data_parallel(state: RankRewrite, dp_plan: DataParallelPlan) -> None:
 
 def _pipeline_split(state: RankRewrite, part: PipelinePart) -> None:
     state.pipeline = _pipeline(state.gm, state.signature, state.captured.stage, part, state.mesh,
-                               state.layout.tp > 1, state.others)
+                               (state.layout.tp > 1) + (state.layout.cp > 1), state.others)
 
 
 def _no_part(decisions: PlanDecisions) -> None:
@@ -367,7 +368,7 @@ def captured_signature(graph) -> GraphSignature:
 
 
 def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], part: PipelinePart,
-              mesh: DeviceMesh, retraced: bool, others: Sequence[int] = ()) -> PipelinePlan:
+              mesh: DeviceMesh, retraced: int, others: Sequence[int] = ()) -> PipelinePlan:
     """Cut this rank's graph into the plan's stages (`passes.pipeline_split`) and set up the
     groups the step talks over: the pipeline's ranks, the stages sharing a parameter.
 
@@ -397,6 +398,8 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], par
             f"layout {lay.short()}: PyTorch's {lay.schedule} schedule runs the micro-batches in "
             f"rounds of pp={lay.pp} and needs grad_accum ({m}) to be a multiple of the number of "
             f"rounds ({rounds}): use grad_accum <= pp or a multiple of pp")
+    if lay.cp > 1:
+        _refuse_shared_under_cp(gm, signature, node_stage, lay)
     try:  # one stage per entry of the plan's stages (v per rank under interleaving)
         split = split_pipeline(gm, signature, node_stage, len(part.stages), others)
     except PipelineSplitError as exc:
@@ -421,6 +424,32 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], par
     return PipelinePlan(graphs=split, rank=mesh.get_local_rank("pp"), pp=lay.pp,
                         group=mesh["pp"].get_group(), schedule=lay.schedule,
                         shared_groups=shared_groups, zero_sharded=zero_rows)
+
+
+def _refuse_shared_under_cp(gm, signature: GraphSignature, node_stage: dict[str, int], lay: Layout) -> None:
+    """Under cp x pp the CP pass all-reduces each gradient whole over cp inside the graph; a
+    parameter read on several stages (tied embeddings) has one gradient summed across stages,
+    which the pipeline splits into per-stage terms only before that all-reduce: refused."""
+    aten = torch.ops.aten
+    views = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.alias.default,
+             aten.detach.default, aten._to_copy.default, aten.permute.default, aten.transpose.int}
+
+    def stages(node: fx.Node) -> set[int]:  # the stages of the ops reading it, through its views
+        out: set[int] = set()
+        for user in node.users:
+            if user.name not in node_stage:
+                continue
+            out |= stages(user) if user.target in views and user.users else {node_stage[user.name]}
+        return out
+
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    shared = [name for node, (kind, name) in zip(holders, signature.inputs)
+              if kind == "param" and len(stages(node)) > 1]
+    if shared:
+        raise UnsupportedLayoutError(
+            f"layout {lay.short()}: {', '.join(shared)} is read on several pipeline stages (tied weights); "
+            "under context parallelism in a pipeline its gradient is reduced over cp as a whole and cannot "
+            "be split into the stages' terms yet: use cp=1 or pp=1, or untie the weights")
 
 
 def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str],
@@ -448,15 +477,19 @@ def _recompute(gm, layers: dict[str, int | None], groups: dict[str, str],
     return executed
 
 
-def _source(node, retraced: bool = True) -> str:
+def _source(node, retraced: int = 1) -> str:
     """The captured node ``node`` comes from: itself, the matmul an FP8 cast serves, the node
-    the TP pass retraced it from, or the forward node a recompute copy rebuilds."""
+    the TP pass (``retraced`` 1; then the CP pass: 2) retraced it from, or the forward node a
+    recompute copy rebuilds."""
     served = node.meta.get("custom", {}).get(FP8_FOR)
     if served:
         return served
     sources = (node.meta.get("from_node") or []) if retraced else []
-    if sources:
-        return sources[0].name
+    if sources:  # retraced by TP, then by CP (retraced=2): the captured node is that many back
+        source = sources[0]
+        for _ in range(int(retraced) - 1):
+            source = source.from_node[0] if source.from_node else source
+        return source.name
     return node.meta.get("recomputes", node.name)
 
 
