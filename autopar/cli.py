@@ -452,7 +452,7 @@ def _check_executable(layout: Layout) -> None:
     if missing:
         raise UsageError(f"--layout {layout.short()}: the ranks cannot execute "
                          f"{'; '.join(missing)} yet; fix: dump a DP / ZeRO / TP / TP+SP layout "
-                         "(any recompute), a pipeline with ZeRO 0 or 1, cp with DP, ZeRO or TP without SP, ep with DP, "
+                         "(any recompute), a pipeline with ZeRO 0 or 1, cp with DP, ZeRO, TP+SP or pipelines, ep with DP, "
                          "precision=fp32, or see its predictions with `autopar plan --layout ...`")
 
 

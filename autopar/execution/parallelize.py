@@ -22,17 +22,20 @@ stages (passes/pipeline_split.py; each node on the stage of the captured node it
 comes from, as the cost model priced it) and the stage's graphs run under
 torch.distributed.pipelining (runtime/pipeline.py; GPipe, 1F1B, interleaved 1F1B, zero-bubble);
 the module then holds only its stages' parameters. Context parallelism (cp > 1, with DP, ZeRO,
-TP without SP and recompute) runs on a ("dp", "cp", "tp") mesh: after TP's place, the
-context-parallel pass (passes/context_parallel.py) splits every sequence over "cp" and runs
-attention as ring attention on the rank's TP heads, leaving partial gradients that the DP pass
-reduces over the dp x cp ranks; the parameters live on the ("dp", "tp") mesh, replicated over
-cp, or under ZeRO sharded over the dp x cp ranks (`runtime.mesh.dp_cp_mesh`). Expert parallelism
+TP and SP, pipelines with ZeRO 0 or 1, and recompute) runs on a ("dp", "cp", "tp") mesh
+(("dp", "pp", "cp", "tp") with a pipeline): after TP's place, the context-parallel pass
+(passes/context_parallel.py) splits every sequence over "cp" (SP's splits then cut the CP rank's
+own sequence over "tp", passes/cp_sequence_parallel.py) and runs attention as ring attention on
+the rank's TP heads, leaving partial gradients that the DP pass reduces over the dp x cp ranks
+(within each pipeline stage they are all-reduced over cp); the parameters live on the
+("dp", "tp") mesh, replicated over cp, or under ZeRO sharded over the dp x cp ranks
+(`runtime.mesh.dp_cp_mesh`). Expert parallelism
 (ep > 1, with DP and ZeRO) groups every list of alike experts at capture and the expert-parallel
 pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
 consecutive dp ranks, with all-to-alls; each rank stores only its experts' parameters (the
 module holds no others), on the ("dp", "tp") mesh of their owners (`runtime.mesh.expert_mesh`). Any
-other decision (ZeRO-2/3 inside a pipeline, cp with SP, pipelines or FP8, ep with TP,
-pipelines, cp or FP8, a precision other than the model's) is an
+other decision (ZeRO-2/3 inside a pipeline, cp with FP8 or with weights tied across pipeline
+stages, ep with TP, pipelines, cp or FP8, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
 The loss trains as on one device wherever the layout splits the batch (data parallelism,
