@@ -76,6 +76,11 @@ def step_key(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable
             for tname, t in tensors.items():
                 if t is not None:
                     h.update(f";{kind}:{tname}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}".encode())
+    # which parameters are one tensor (tied embeddings): the graph reads a tied weight once
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            h.update(f"|tied:{name}={first[id(p)]}".encode())
     for x in inputs:
         h.update(f"|in:{tuple(x.shape)}:{x.dtype}".encode())
     h.update(f"|loss:{_identity(loss_fn, h)}".encode())

@@ -310,9 +310,10 @@ def _capture_local(model: nn.Module, local_inputs: tuple, loss_fn, ep: int = 1):
     return graph
 
 
-def _executable(layout: Layout, precision: str) -> None:
-    """Raise `UnsupportedLayoutError` for any decision of ``layout`` the runtime cannot run."""
-    missing = unsupported_decisions(layout)
+def _executable(layout: Layout, precision: str, refused: Sequence[str] = ()) -> None:
+    """Raise `UnsupportedLayoutError` for any decision of ``layout`` the runtime cannot run
+    (``refused``: a plan's own list, `autopar.search.executable.refusals` on its model)."""
+    missing = list(dict.fromkeys([*unsupported_decisions(layout), *refused]))
     if layout.precision != precision and layout.precision != "fp8":
         missing.append(f"precision={layout.precision!r} on a {precision} model (the runtime runs the "
                        f"model's dtype; convert the model with model.to(...) instead)")
@@ -381,7 +382,7 @@ def _choose_plan(model, example_inputs, loss_fn, plan, layout, cluster: Cluster)
         if plan.batch and plan.batch != batch:
             raise InputError(f"this plan is for a batch of {plan.batch} sequences, the example inputs "
                              f"hold {batch}: plan again for this batch")
-        _executable(plan.layout, precision)
+        _executable(plan.layout, precision, plan.refused)
         return plan
     if layout is None:
         return make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn, executable_only=True,

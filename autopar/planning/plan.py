@@ -17,6 +17,7 @@ from autopar.errors import InputError
 from autopar.planning.collectives import param_collectives
 from autopar.report import fmt_bytes, fmt_count, fmt_time, json_ready, table
 from autopar.search.decisions import decide
+from autopar.search.executable import refusals
 from autopar.search.manual import standard_layouts
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
@@ -50,6 +51,8 @@ class Plan:
     alternatives: list[tuple[Layout, Prediction]] = field(default_factory=list)
     alternative_labels: list[str] = field(default_factory=list)
     execution: ExecutionReport | None = None
+    # what autopar.parallelize cannot run of this plan on this model (`search.executable`)
+    refused: list[str] = field(default_factory=list)
     # the captured step, so explain() prices other layouts without a new capture
     _step: CapturedStep | None = field(default=None, repr=False, compare=False)
 
@@ -135,7 +138,7 @@ class Plan:
         within = coverage_within(judged, coverage, source, self.cluster.nodes, self.model)
         if within:
             lines.append(f"  note     {within}")
-        missing = unsupported_decisions(lay)
+        missing = self.refused
         if not p.fits:
             runs = "no: it does not fit in memory"
         elif missing:
@@ -317,6 +320,7 @@ class Plan:
             "predicted": self.predicted.as_dict(),
             "placements": self.placements,  # derived from the decisions, for readers of the file
             "solve": json_ready(self.solve),
+            "refused": list(self.refused),
             "alternatives": [{"layout": lay.to_dict(), "predicted": pred.as_dict(), "label": label}
                              for (lay, pred), label in zip(self.alternatives, self._labels())],
         }
@@ -345,6 +349,7 @@ class Plan:
                           for a in data.get("alternatives", [])],
             alternative_labels=[a.get("label", "") for a in data.get("alternatives", [])],
             execution=ExecutionReport.from_dict(data["execution"]) if "execution" in data else None,
+            refused=list(data.get("refused", unsupported_decisions(Layout.from_dict(data["layout"])))),
         )
 
     def _labels(self) -> list[str]:
@@ -412,6 +417,6 @@ def make_plan(step: CapturedStep, cluster: Cluster, layout: Layout, model: str =
     pred = prediction or predict(facts, cluster, layout)
     plan = Plan(decisions=decide(facts, cluster, layout), predicted=pred, cluster=cluster,
                 model=model, fingerprint=fingerprint, batch=facts.batch, seq=facts.seq,
-                num_params=facts.num_params)
+                num_params=facts.num_params, refused=refusals(facts, cluster, layout))
     plan._step = step
     return plan

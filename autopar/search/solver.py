@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from autopar.errors import AutoparError
 from autopar.search.batch import small_batch_note
 from autopar.search.bound import rules_out
+from autopar.search.executable import refusals
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
@@ -35,7 +36,6 @@ from cost.step import (
     predict_memory,
 )
 from cost.terms.tensor_parallel import regather_exposed_share
-from vocab.layout import unsupported_decisions
 
 
 class NoFeasiblePlanError(AutoparError):
@@ -158,7 +158,7 @@ def search(
                 for layout in candidate_layouts(facts, cluster, [tp], allow_fp8=allow_fp8,
                                                 precision=precision, recompute=recompute):
                     state.stats["considered"] += 1
-                    if executable_only and unsupported_decisions(layout):
+                    if executable_only and refusals(facts, cluster, layout):
                         continue  # autopar.parallelize searches only what it runs
                     if layout.pp > 1 and cluster.gpu.is_cpu:
                         continue  # see the note above search()
@@ -295,7 +295,7 @@ def solve(
     """The fastest layout of ``step`` that fits ``cluster``; raises `NoFeasiblePlanError`.
 
     executable_only: search only what `autopar.parallelize` executes
-    (`unsupported_decisions` is empty), as parallelize asks. recompute: the recompute modes
+    (`autopar.search.executable.refusals` is empty), as parallelize asks. recompute: the recompute modes
     searched (by default "auto", the cost model's choice per layout).
     """
     t0 = time.perf_counter()
