@@ -39,7 +39,8 @@ the data of the same shape sliced alike. Under TP's sequence parallelism SP spli
 rank's sequence over tp, cp outer and tp inner: SP's split and concatenation run on the rank's
 local sequence, so its all-gather rebuilds the rank's chunks for the ring
 (`passes.cp_sequence_parallel`). Under `autopar.parallelize` the gradients leave as
-partial sums (``reduce_grads=False``) and the data-parallel pass reduces them over dp x cp.
+partial sums (``reduce_grads=False``) and the data-parallel pass (a pipeline's reduction after
+its schedule) sums them over dp x cp.
 
 Cross-entropy's mean over tokens (nll_loss over [tokens, C], nll_loss2d over [N, C, d1, ...]:
 every dim but the class dim 1 is tokens) is computed as sum_r sum_{t in r} -w_t log p_t /

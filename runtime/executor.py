@@ -67,6 +67,9 @@ class RankGraph:
     reduction: object = None
     dp: int = 1  # data-parallel ranks the step's normalisers are summed over
     dp_group: object = None  # their process group (torch.distributed.ProcessGroup)
+    # ranks of ``dp`` in sets of this many sharing one batch slice, each holding partial sums of
+    # its gradients (context parallelism in a pipeline): the step averages over dp / partial slices
+    dp_partial: int = 1
     # a pipeline stage's step (runtime/pipeline.py): ``gm`` is the whole rank graph, kept for
     # reading; the stage's own graphs run under the plan's schedule
     pipeline: PipelinePlan | None = None
@@ -163,7 +166,8 @@ class _PipelineStep(torch.autograd.Function):
                                                 denominators=() if denominators is None else denominators)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
-            loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank)
+            loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank,
+                                               partial=rank_graph.dp_partial)
         _save_grads(ctx, _as_parameters(grads, names, params))
         return _with_others(ctx, loss, others)
 
@@ -239,12 +243,13 @@ def _seeds(rank_graph: RankGraph, user_inputs: tuple, buffers: dict,
     """The loss's seed gradient per micro-batch (`seed_weights`) and, for a "global" reduction,
     the normalisers the graph reads: each summed over the step / (d m)."""
     m, reduction = rank_graph.micro_batches, rank_graph.reduction
-    seeds = seed_weights(reduction, rank_graph.dp, m)
+    seeds = seed_weights(reduction, rank_graph.dp // rank_graph.dp_partial, m)
     if getattr(reduction, "counter", None) is None:
         return seeds, None
     counts = [reduction.counter(tuple(x.chunk(m)[k] for x in user_inputs), buffers) for k in range(m)]
     total = torch.stack(counts).sum(0).to(device)
     if rank_graph.dp > 1:  # float64: counts and class-weight sums add up exactly
+        # (the ranks of one slice count alike: the sum over dp ranks / dp is the slices' mean)
         torch.distributed.all_reduce(total, group=rank_graph.dp_group)
     return seeds, total.cpu() / (rank_graph.dp * m)
 

@@ -417,11 +417,16 @@ def _empty(val, device) -> torch.Tensor:
 
 def reduce_data_parallel(grads: dict[str, torch.Tensor], loss: torch.Tensor, dp: int,
                          group: dist.ProcessGroup, sharded: Callable[[str], bool] = lambda p: False,
-                         dp_rank: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The mean over ``dp`` data-parallel pipelines of the step's loss and gradients (one
-    all-reduce of all gradients, flattened; a ZeRO-sharded parameter keeps its rows)."""
+                         dp_rank: int = 0, partial: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean over the ``dp`` data-parallel pipelines of the step's loss and gradients (one
+    all-reduce of all gradients, flattened; a ZeRO-sharded parameter keeps its rows).
+
+    ``partial``: the ranks come in sets of that many sharing one batch slice (context
+    parallelism's cp ranks), each holding a partial sum of the slice's gradients and the slice's
+    whole loss: the gradients are summed over all ranks and divided by the dp / partial slices,
+    the loss averaged over all dp ranks."""
     names = sorted(grads)
-    flat = torch.cat([loss.reshape(1)] + [grads[p].reshape(-1) for p in names]) / dp
+    flat = torch.cat([loss.reshape(1) / partial] + [grads[p].reshape(-1) for p in names]) * (partial / dp)
     dist.all_reduce(flat, group=group)
     out, offset = {}, 1
     for p in names:

@@ -27,7 +27,7 @@ TP and SP, pipelines with ZeRO 0 or 1, and recompute) runs on a ("dp", "cp", "tp
 (passes/context_parallel.py) splits every sequence over "cp" (SP's splits then cut the CP rank's
 own sequence over "tp", passes/cp_sequence_parallel.py) and runs attention as ring attention on
 the rank's TP heads, leaving partial gradients that the DP pass reduces over the dp x cp ranks
-(within each pipeline stage they are all-reduced over cp); the parameters live on the
+(a pipeline's DP reduction sums them once per step over the dp x cp ranks); the parameters live on the
 ("dp", "tp") mesh, replicated over cp, or under ZeRO sharded over the dp x cp ranks
 (`runtime.mesh.dp_cp_mesh`). Expert parallelism
 (ep > 1, with DP and ZeRO) groups every list of alike experts at capture and the expert-parallel
@@ -225,10 +225,12 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
     lay, signature = state.layout, state.signature
     inputs = list(signature.inputs) + state.accum_inputs
     dp, group = lay.dp, state.mesh["dp"].get_group() if lay.dp > 1 else None
-    if lay.pp > 1 and lay.cp > 1 and lay.zero:
-        # ZeRO-1 in a pipeline under cp: the step's gradients (all-reduced over cp in the graph)
-        # averaged over the dp x cp ranks after the schedule, each keeping its rows
-        dp, group = lay.dp * lay.cp, dp_cp_mesh(state.mesh)["dp"].get_group()
+    partial = 1
+    if lay.pp > 1 and lay.cp > 1:
+        # a pipeline under cp: the stages leave partial gradients over cp (the CP pass), summed
+        # once per step over the dp x cp ranks after the schedule, as the cost model prices it
+        # (ZeRO-1: each rank keeps its rows of the dp x cp shards)
+        dp, group, partial = lay.dp * lay.cp, dp_cp_mesh(state.mesh)["dp"].get_group(), lay.cp
     return RankGraph(
         gm=state.gm,
         inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
@@ -240,6 +242,7 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
         reduction=state.reduction,
         dp=dp,
         dp_group=group,
+        dp_partial=partial,
         pipeline=state.pipeline,
         other_index=list(state.others),
     )

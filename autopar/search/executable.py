@@ -4,8 +4,7 @@
 CLI refuses before any import); `refusals` adds what this model cannot run under the layout:
 
 - under context parallelism in a pipeline, a weight read on several stages (tied input and
-  output embeddings): the CP pass reduces each gradient whole over cp inside a stage's graph,
-  before the pipeline could split a shared weight's gradient into its stages' terms
+  output embeddings): its stages' gradient terms and CP's partial sums are not composed yet
   (`autopar.execution.rewrite` refuses it at run time with the same words).
 
 The solver skips a layout with refusals when it plans for `parallelize`, and a plan's summary

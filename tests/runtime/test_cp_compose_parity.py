@@ -120,8 +120,8 @@ def _cp_sp_filtered(failures: list[tuple]) -> list[tuple]:
 
 @pytest.mark.slow
 def test_cp2_pp2():
-    """4 ranks: cp2 x pp2 (ring attention inside each stage, the gradients all-reduced over cp in
-    the stage's graph): 1F1B over 2 micro-batches for tiny-llama and the GQA model's two losses,
+    """4 ranks: cp2 x pp2 (ring attention inside each stage, the stages' partial gradients over
+    cp summed once per step over the dp x cp ranks): 1F1B over 2 micro-batches for tiny-llama and the GQA model's two losses,
     then GPipe over 4 with contiguous cp blocks and ZeRO-1 (rows over the dp x cp ranks); a
     model whose tied weights span the stages is refused by name."""
     layouts = [{"cp": 2, "pp": 2, "grad_accum": 2}]
