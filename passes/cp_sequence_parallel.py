@@ -35,6 +35,7 @@ import operator
 
 import torch
 from torch import fx
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Shard
 from torch.fx import traceback as fx_traceback
 
@@ -114,7 +115,7 @@ def sp_split(node: fx.Node, x, cp: int) -> tuple[DTensor, ...] | None:
     shape = list(x.shape)
     shape[dim] = size
     return tuple(DTensor.from_local(p, x.device_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                                    stride=_stride(shape)) for p in local.split(local.shape[dim] // parts, dim))
+                                    stride=make_contiguous_strides_for(shape)) for p in local.split(local.shape[dim] // parts, dim))
 
 
 def sp_cat(node: fx.Node, parts) -> DTensor | None:
@@ -128,20 +129,12 @@ def sp_cat(node: fx.Node, parts) -> DTensor | None:
     local = torch.cat([p.to_local() for p in parts], dim)
     shape = list(node.meta["val"].shape)
     return DTensor.from_local(local, parts[0].device_mesh, [Shard(dim)], run_check=False,
-                              shape=torch.Size(shape), stride=_stride(shape))
+                              shape=torch.Size(shape), stride=make_contiguous_strides_for(shape))
 
 
 def _why(reason: str):
     """Tag the nodes traced inside with the decision behind them (as the TP pass does)."""
     return fx_traceback.annotate({"autopar": reason})
-
-
-def _stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 class SequenceRegion:
@@ -202,7 +195,7 @@ class SequenceRegion:
             block = local.split(local.shape[dim] // parts, dim)[index]
             shape = list(value.shape)
             out[arg] = DTensor.from_local(block, whole.device_mesh, [Shard(dim)], run_check=False,
-                                          shape=torch.Size(shape), stride=_stride(shape))
+                                          shape=torch.Size(shape), stride=make_contiguous_strides_for(shape))
         return out
 
     def check_output(self, node: fx.Node, out, where: str) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -643,7 +644,7 @@ def _placed(local: torch.Tensor, mesh, placement, shape) -> DTensor:
     they produce: specs of the two readings do not match in a matmul's strategies, and DTensor
     would gather q, k and v to multiply them.
     """
-    stride = _contiguous_stride(shape)
+    stride = make_contiguous_strides_for(shape)
     if not isinstance(placement, _StridedShard):
         return DTensor.from_local(local, mesh, [placement], run_check=False,
                                   shape=torch.Size(shape), stride=stride)
@@ -652,12 +653,6 @@ def _placed(local: torch.Tensor, mesh, placement, shape) -> DTensor:
     return DTensor(local.view_as(local), spec, requires_grad=False)
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 @contextlib.contextmanager
