@@ -2,7 +2,7 @@
 
 For each setting the step time is predicted three ways on the same layout: no FP8 matmul
 (``fp8="none"``), every weight matmul in FP8 (``"all"``), and the cost model's choice per
-block-tied weight (``"auto"``: `cost.terms.compute.fp8_choice`, FP8 where the matmul's
+block-tied weight (``"auto"``: `autopar.search.choices.choose_fp8`, FP8 where the matmul's
 predicted time at its local shape, casts included, beats high precision). Where local shapes
 are small (llama3-8b at tp=8, one sequence of 2048 tokens per micro-batch) the casts cost more
 than FP8 saves on some matmuls and the choice should beat both; on large shapes it should

@@ -169,6 +169,7 @@ def measured_rows(progress=print) -> list[dict]:
 
     import torch
 
+    from autopar.search.choices import choose
     from autopar.search.step import CapturedStep
     from cost.step import predict_memory, recompute_choice
     from runtime.memory import peak_live_bytes
@@ -182,7 +183,8 @@ def measured_rows(progress=print) -> list[dict]:
     squeezed = Cluster.local(ranks=1)
     squeezed.gpu = dataclasses.replace(squeezed.gpu, memory_bytes=(total["selective"] + total["full"]) / 2)
     choices = {m: (cluster, RecomputeChoice(m)) for m in ("none", "selective", "full")}
-    choices["auto (squeezed device)"] = (squeezed, recompute_choice(facts, squeezed, Layout(**fp32, recompute="auto")))
+    choices["auto (squeezed device)"] = (squeezed, recompute_choice(
+        facts, squeezed, choose(facts, squeezed, Layout(**fp32, recompute="auto"))))
     rows = []
     env = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by the spawned child's glibc

@@ -23,16 +23,18 @@ T = TypeVar("T")
 Kind = Literal[
     "times", "fp8_choice", "one_chunk", "chunk_map", "chunk_map_memory", "stage_map",
     "stage_params", "param_slots", "block_params", "local_saved", "columns", "rebuilt_sweep",
-    "recompute_choices", "knapsack", "tp_comm", "tp_small_sites", "slot_index",
+    "recompute_choices", "knapsack", "tp_comm", "tp_small_sites", "slot_index", "chunks", "choices",
 ]
 
 # kind -> what its value is (the module that builds it)
 KINDS: dict[str, str] = {
     "times": "kernel seconds of every node for one micro-batch (terms.compute.node_times)",
-    "fp8_choice": "the FP8 groups 'auto' runs in FP8 (terms.compute.fp8_choice)",
+    "fp8_choice": "the FP8 groups 'auto' runs in FP8 (autopar.search.choices.choose_fp8)",
     "one_chunk": "the slot -> chunk map without a pipeline (terms.compute.slot_chunks)",
-    "chunk_map": "the pipeline cut balancing time, with the slots' seconds (slot_chunks)",
-    "chunk_map_memory": "the cut balancing time under each stage's memory (slot_chunks)",
+    "chunks": "a chosen cut's slot -> chunk map as an array (terms.compute.slot_chunks)",
+    "chunk_map": "the pipeline cut balancing time, with the slots' seconds (search.choices)",
+    "chunk_map_memory": "the cut balancing time under each stage's memory (search.choices)",
+    "choices": "a layout with its open choices made (autopar.search.choices.choose)",
     "stage_map": "slot -> pipeline rank under virtual stages (terms.compute.slot_stages)",
     "stage_params": "parameters held by each stage (terms.compute.params_per_stage)",
     "param_slots": "each parameter's local size by slot (terms.compute._param_slots)",
@@ -40,15 +42,15 @@ KINDS: dict[str, str] = {
     "local_saved": "bytes of each saved row on one device (terms.recompute.local_saved_bytes)",
     "columns": "kept, rebuilt and rerun rows of a recompute choice (terms.recompute.columns)",
     "rebuilt_sweep": "the order of a choice's rebuilt spans (terms.recompute.choice_sweep)",
-    "recompute_choices": "'auto's choice per stage of a layout (step.recompute_choices)",
-    "knapsack": "a stage's knapsack inputs (terms.recompute.knapsack_choice's cache)",
+    "recompute_choices": "'auto's choice per stage of a layout (search.recompute_choice)",
+    "knapsack": "a stage's knapsack inputs (search.recompute_choice.knapsack_choice's cache)",
     "tp_comm": "exposed and hidden TP seconds per stage (terms.tensor_parallel.tp_comm)",
     "tp_small_sites": "the replicated block weights SP all-reduces (terms.tensor_parallel)",
     "slot_index": "the slot of each row of a facts table's block column (terms.compute.stage_of)",
 }
 # the kinds that depend on the graph and the layout's degrees only, never on the cluster
 GRAPH_ONLY = frozenset({"block_params", "tp_small_sites", "columns", "rebuilt_sweep",
-                        "param_slots", "one_chunk", "slot_index"})
+                        "param_slots", "one_chunk", "slot_index", "chunks"})
 
 
 class FactsCache:

@@ -55,7 +55,6 @@ from cost.terms.compute import (
     slot_stages,
     stage_of,
     step_node_times,
-    times_key,
     virtual_stages,
 )
 from cost.terms.context_parallel import cp_exposed
@@ -64,19 +63,16 @@ from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
 from cost.terms.pipeline_parallel import loss_broadcast, p2p_time, pipeline_time, shared_host_factor
 from cost.terms.recompute import (
-    columns,
     fixed_choice,
-    group_max,
-    knapsack_choice,
     local_block_input_bytes,
     local_saved_bytes,
     rerun_per_stage,
-    stage_choices_apart,
     staged_activation_memory,
     staged_rerun,
 )
 from cost.terms.tensor_parallel import kept_sp_gathers, sp_regather, tp_small_collectives
 from cost.terms.tensor_parallel import tp_comm as tp_comm_terms
+from vocab.choices import ChoicesMissingError
 from vocab.layout import Layout, LayoutError
 from vocab.plan_types import RecomputeChoice, block_pattern, fp8_group
 
@@ -328,56 +324,26 @@ def recompute_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> Reco
 def recompute_choices(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[RecomputeChoice, ...]:
     """What the recompute pass rebuilds on each pipeline stage (one entry without a pipeline)
     under ``layout`` (`cost.terms.recompute`): its manual mode or groups on every stage, or for
-    "auto" each stage's fastest choice that fits that stage (memoised per layout). Stages are
-    priced apart (a stage's memory and seconds depend on its own choice only), so choosing each
-    alone is the fastest step under the memory: 1F1B's first stage holds pp micro-batches in
-    flight and may recompute what the last one keeps."""
+    "auto" the search's choice per stage (`Layout.choices`)."""
     lay = resolved(facts, cluster, layout)
     if lay.recompute != "auto":
         return (fixed_choice(facts, lay),) * lay.pp
-    key = (lay, cluster.gpu.name, cluster.gpu.memory_bytes, cluster.params, cluster.world_size)
-    return facts.cache.get("recompute_choices", key, lambda: _auto_choices(facts, cluster, lay))
+    if lay.choices is None or lay.choices.recompute is None:
+        raise ChoicesMissingError(lay.short(), "recompute='auto'")
+    return lay.choices.recompute
 
 
-def _auto_choices(facts: StepFacts, cluster: Cluster, lay: Layout) -> tuple[RecomputeChoice, ...]:
-    """`recompute_choices` under "auto" (``lay`` resolved)."""
-    rec = recipe(lay.precision, lay.fp32_grad_accum)
-    params_stage = params_per_stage(facts, cluster, lay)
+def fixed_bytes_per_stage(facts: StepFacts, cluster: Cluster, lay: Layout) -> np.ndarray:
+    """Bytes each pipeline stage holds whatever it recomputes: model state, buffers, reserve
+    and headroom (the memory breakdown without recompute, less its activations and the
+    backward's transient); the room for activations is the device less these."""
     none = (RecomputeChoice("none"),) * lay.pp
-    fixed = [b.total - b.activations for b in _memory(facts, cluster, lay, rec, params_stage,
-                                                      none, transient=False)]
-    room = cluster.gpu.memory_bytes - np.array(fixed)
-    times = step_node_times(facts, cluster, lay)
-    fwd, bwd = compute_per_stage(facts, cluster, lay, times)
-    local = local_saved_bytes(facts, cluster, lay)
-    saved_stage = stage_of(facts, facts.saved.layer, cluster, lay)
-    node_stage = node_stages(facts, cluster, lay)
-    kept, transient = staged_activation_memory(facts, local, saved_stage, none)
-    flight = np.array([_flight(lay, s) for s in range(lay.pp)])
-    if np.all(kept * flight + transient <= room):  # no stage needs to recompute
-        return none
-    # each stage alone: its rows and nodes; the step's largest value counts on every stage
-    # (`staged_activation_memory`), so a stage whose own largest is smaller has less room
-    largest = group_max(local * columns(facts, none[0]).kept, saved_stage, lay.pp)
-    room = room - 2.0 * (largest.max() - largest)
-    # a recomputing stage that keeps its SP gathers holds them too (`Layout.regather`)
-    room = room - kept_sp_gathers(facts, cluster, lay, lay.pp) * flight
-    # the first rules for all stages at once; the knapsack for the stages they leave open
-    easy = stage_choices_apart(facts, local, saved_stage, flight, room)
-    # a stage's knapsack reads its rows, nodes and times: the same for every layout that
-    # differs in room or flight only (ZeRO, schedule), which share its cache
-    cut = slot_stages(facts, cluster, lay).tobytes() if lay.pp > 1 else b""
-    shared = (times_key(facts, cluster, lay), cluster.params, lay.pp, cut)
-    return tuple(
-        easy[s] if easy[s] is not None else
-        knapsack_choice(facts, local * (saved_stage == s), np.zeros_like(saved_stage),
-                        np.array([_flight(lay, s)]), room[s:s + 1], np.zeros_like(node_stage),
-                        times * (node_stage == s), (fwd + bwd)[s:s + 1],
-                        facts.cache.get("knapsack", (*shared, s), dict))
-        for s in range(lay.pp))
+    rec = recipe(lay.precision, lay.fp32_grad_accum)
+    return np.array([b.total - b.activations for b in _memory(
+        facts, cluster, lay, rec, params_per_stage(facts, cluster, lay), none, transient=False)])
 
 
-def _flight(lay: Layout, stage: int) -> float:
+def in_flight(lay: Layout, stage: int) -> float:
     """Micro-batches of activations ``stage`` holds at its peak."""
     if lay.pp == 1:
         return 1
@@ -413,7 +379,7 @@ def _memory(facts, cluster, lay, rec, params_stage, choices: tuple[RecomputeChoi
                 params=states["params"],
                 grads=states["grads"],
                 optimizer=states["optimizer"],
-                activations=(float(per_stage[s]) + float(stash[s])) * _flight(lay, s),
+                activations=(float(per_stage[s]) + float(stash[s])) * in_flight(lay, s),
                 buffers=buffer_bytes(lay.dp * lay.cp, lay.zero, block_params_, rec.param_bytes,
                                      kept_weight_params=None if lay.reshard else float(params_stage[s]))
                 + float(extra[s]),

@@ -14,6 +14,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from vocab.choices import Choices
+
 SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zero-bubble")
 # activation recomputation (passes/recompute.py): none, element-wise values, every value of a
 # block but its output, or the cost model's choice per heavy group (cost/terms/recompute.py);
@@ -75,6 +77,10 @@ class Layout:
         chunks r and 2cp-1-r, so causal attention costs every rank the same (the default);
         False: rank r holds the r-th contiguous block (the last rank then attends 2cp/(cp+1)
         times the average, which the cost model prices). Ignored at cp 1.
+    choices: the decisions this layout leaves open (FP8 "auto", the pipeline cuts, recompute
+        "auto" per stage), made by the search (`autopar.search.choices.choose`) for the cost
+        model to price; None on a layout as a person writes it. Not part of `to_dict` or
+        `short`: a plan carries them as its decisions.
     """
 
     dp: int = 1
@@ -96,6 +102,7 @@ class Layout:
     reshard: bool = True
     regather: bool = True
     cp_balance: bool = True
+    choices: Choices | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatch", "grad_accum", "virtual_stages"):
@@ -212,6 +219,14 @@ class Layout:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def with_choices(self, choices: Choices | None) -> Layout:
+        """A copy carrying ``choices`` (nothing else changes, so nothing is validated again:
+        the search attaches choices to every layout it prices)."""
+        out = object.__new__(Layout)
+        out.__dict__.update(self.__dict__)
+        object.__setattr__(out, "choices", choices)
+        return out
+
     def short(self) -> str:
         """Compact one-line description, e.g. ``dp8 tp8 pp2 zero1 sp mb2 ga16 1f1b``."""
         parts = [f"dp{self.dp}"]
@@ -246,8 +261,8 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        """Plain dict of every field (JSON-safe)."""
-        return dataclasses.asdict(self)
+        """Plain dict of every field as a person writes it (JSON-safe; ``choices`` left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "choices"}
 
     @classmethod
     def from_dict(cls, data: dict) -> Layout:

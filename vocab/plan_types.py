@@ -21,6 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from vocab.choices import RecomputeChoice
 from vocab.layout import Layout
 
 if TYPE_CHECKING:
@@ -115,24 +116,6 @@ class CommPlan:
     # ZeRO-3 gathers the weights again for the backward (False: the forward's gathered weights
     # are kept to the backward, Layout.reshard)
     reshard_after_forward: bool = True
-
-
-@dataclass(frozen=True)
-class RecomputeChoice:
-    """What the recompute pass rebuilds (passes/recompute.py): ``mode`` "none", "selective"
-    (element-wise values; matmul and attention outputs kept) or "full" (every forward value of
-    a block but its output), and under "selective" the heavy groups whose outputs are rebuilt
-    as well (``outputs``: names as `passes.recompute.heavy_groups` gives them, tied across
-    blocks): a partial choice between selective and full."""
-
-    mode: str = "none"
-    outputs: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        """One line: the mode and what a partial choice adds."""
-        if self.mode == "selective" and self.outputs:
-            return "selective + the outputs of " + ", ".join(self.outputs)
-        return self.mode
 
 
 @dataclass

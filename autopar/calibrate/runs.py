@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from autopar import models
+from autopar.search.choices import choose
 from cost.cluster import Cluster
 from cost.params import CostParams
 from cost.step import predict, predict_memory
@@ -286,9 +287,10 @@ class RunPricer:
             if facts is None:
                 continue
             try:
-                m = predict_memory(facts, cluster, run.layout)
+                layout = choose(facts, cluster, run.layout)
+                m = predict_memory(facts, cluster, layout)
                 if not memory_only:
-                    tps[i] = predict(facts, cluster, run.layout, memory=m).tokens_per_s_per_gpu
+                    tps[i] = predict(facts, cluster, layout, memory=m).tokens_per_s_per_gpu
             except LayoutError:
                 continue
             mem[i], valid[i] = m.total, True

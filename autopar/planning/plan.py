@@ -16,6 +16,7 @@ from pathlib import Path
 from autopar.errors import InputError
 from autopar.planning.collectives import param_collectives
 from autopar.report import fmt_bytes, fmt_count, fmt_time, json_ready, table
+from autopar.search.choices import choose
 from autopar.search.decisions import decide
 from autopar.search.executable import refusals
 from autopar.search.manual import standard_layouts
@@ -102,6 +103,16 @@ class Plan:
         if self.execution is not None:
             return list(self.execution.fallbacks)
         return self.decisions.fallbacks
+
+    def step_facts(self, layout: Layout | None = None) -> StepFacts:
+        """The cost facts of this plan's captured step for ``layout`` (this plan's by default)
+        at the plan's global batch (`autopar.parallelize` prices a tp=1 layout on its per-rank
+        micro-batch capture: rebatched, activations being linear in the batch)."""
+        if self._step is None:
+            raise InputError("this plan has no captured step (read from JSON): plan again with "
+                             "autopar.plan in this process")
+        facts = self._step.facts_for(self.cluster, layout or self.layout)
+        return facts.rebatch(self.batch) if self.batch and facts.batch != self.batch else facts
 
     def with_execution(self, report: ExecutionReport) -> Plan:
         """This plan (decisions shared, never edited) carrying ``report``: what ran."""
@@ -269,7 +280,8 @@ class Plan:
                 raise InputError("explain against a Layout needs the plan's captured step: call it on "
                                  "a plan returned by autopar.plan in this process")
             try:
-                pred = predict(step.facts_for(self.cluster, cand), self.cluster, cand)
+                facts = self.step_facts(cand)
+                pred = predict(facts, self.cluster, choose(facts, self.cluster, cand))
             except ValueError as exc:
                 rows.append([label, cand.short(), "-", "-", "-", "-", "-", f"invalid: {exc}"[:60]])
                 continue
@@ -414,7 +426,7 @@ def make_plan(step: CapturedStep, cluster: Cluster, layout: Layout, model: str =
     `CapturedStep.facts_for` gives, the same for every caller.
     """
     facts = facts or step.facts_for(cluster, layout)
-    pred = prediction or predict(facts, cluster, layout)
+    pred = prediction or predict(facts, cluster, choose(facts, cluster, layout))
     plan = Plan(decisions=decide(facts, cluster, layout), predicted=pred, cluster=cluster,
                 model=model, fingerprint=fingerprint, batch=facts.batch, seq=facts.seq,
                 num_params=facts.num_params, refused=refusals(facts, cluster, layout))

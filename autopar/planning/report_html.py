@@ -105,10 +105,11 @@ def stage_memory_rows(plan: Plan) -> list[dict[str, float]]:
     read from JSON, which has no captured step to price the others)."""
     if plan._step is None:
         return [dict(plan.predicted.memory_breakdown)]
+    from autopar.search.choices import choose
     from cost.step import stage_memory
 
-    facts = plan._step.facts_for(plan.cluster, plan.layout)
-    return [b.as_dict() for b in stage_memory(facts, plan.cluster, plan.layout)]
+    facts = plan.step_facts()
+    return [b.as_dict() for b in stage_memory(facts, plan.cluster, choose(facts, plan.cluster, plan.layout))]
 
 
 def _memory_figure(plan: Plan):

@@ -22,8 +22,9 @@ recompute, while memory and recompute choice are priced per layout.
 
 from __future__ import annotations
 
+from autopar.search.choices import choose
 from cost import Cluster, Layout
-from cost.step import StepFacts, resolved
+from cost.step import StepFacts
 from cost.terms.compute import compute_per_stage, step_node_times
 from cost.terms.pipeline_parallel import pipeline_time, shared_host_factor
 
@@ -34,7 +35,7 @@ SLACK = 1e-9
 
 def step_time_lower_bound(facts: StepFacts, cluster: Cluster, layout: Layout) -> float:
     """LB (module docstring): seconds no price of ``layout`` can go below."""
-    lay = resolved(facts, cluster, layout)
+    lay = choose(facts, cluster, layout, through="chunks")
     times = step_node_times(facts, cluster, lay)
     fwd, bwd = compute_per_stage(facts, cluster, lay, times)
     shared = shared_host_factor(cluster, lay)
@@ -48,7 +49,7 @@ def rules_out(facts: StepFacts, cluster: Cluster, layout: Layout, best_s: float 
     busiest; no pipeline cut needed), then, under a pipeline, LB itself."""
     if best_s is None:
         return False
-    lay = resolved(facts, cluster, layout)
+    lay = choose(facts, cluster, layout, through="fp8")
     total = float(step_node_times(facts, cluster, lay).sum()) * shared_host_factor(cluster, lay)
     if cannot_beat(pipeline_time(total / lay.pp, 0.0, lay)[0], best_s):
         return True

@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 
+from autopar.search.choices import choose
 from cost import Cluster, Layout
 from cost.step import StepFacts, recompute_choices, zero_reduction
 from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, stage_of, virtual_stages
@@ -27,21 +28,24 @@ from vocab.plan_types import (
 
 
 def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
-    """The decisions of ``layout`` on this step, as the passes will run them."""
+    """The decisions of ``layout`` on this step, as the passes will run them: its own degrees
+    and recipes, and the choices it leaves open as the search makes them
+    (`autopar.search.choices.choose`)."""
+    chosen = choose(facts, cluster, layout)
     params = {name: _param_plan(facts, layout, name) for name in facts.param_numel}
-    choices = recompute_choices(facts, cluster, layout)
+    choices = recompute_choices(facts, cluster, chosen)
     choice = choices[0]
     per_stage = choices if len(set(choices)) > 1 else ()
     return PlanDecisions(
         layout=layout,
         params=params,
-        stages=_stages(facts, cluster, layout),
+        stages=_stages(facts, cluster, chosen),
         recompute=_recomputed(facts, choice, block_choices=[
-            choices[s] for s in stage_of(facts, np.arange(facts.n_layers), cluster, layout)] if per_stage else None),
+            choices[s] for s in stage_of(facts, np.arange(facts.n_layers), cluster, chosen)] if per_stage else None),
         recompute_choice=choice,
         recompute_per_stage=per_stage,
-        fp8=_fp8_weights(facts, cluster, layout),
-        fp8_high=_fp8_kept_high(facts, cluster, layout),
+        fp8=_fp8_weights(facts, cluster, chosen),
+        fp8_high=_fp8_kept_high(facts, cluster, chosen),
         fp8_fused_high=_fp8_fused_high(facts, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter",
                       reshard_after_forward=layout.reshard),
@@ -77,7 +81,7 @@ def _param_plan(facts: StepFacts, layout: Layout, name: str) -> ParamPlan:
 
 
 def _stages(facts: StepFacts, cluster, layout: Layout) -> list[tuple[int, int]]:
-    """Blocks of each pipeline stage, as the cost model cuts them (balanced: `cost.stages`);
+    """Blocks of each pipeline stage, as the search cut them (`autopar.search.choices`);
     under interleaved 1F1B one entry per chunk (virtual stage), chunk c on rank c mod pp."""
     n = max(facts.n_layers, 1)
     of = slot_chunks(facts, cluster, layout)[1:n + 1]
@@ -120,8 +124,9 @@ def _recomputed(facts: StepFacts | None, choice: RecomputeChoice,
 
 
 def _fp8_weights(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str]:
-    """The weights whose matmuls run in FP8: the layout's ``fp8`` resolved (`fp8_choice`:
-    "auto" by the predicted gain of each block-tied group), as passes/fp8.py rewrites them."""
+    """The weights whose matmuls run in FP8: the layout's ``fp8`` resolved (``layout`` chosen:
+    "auto" by the predicted gain of each block-tied group, `choose_fp8`), as passes/fp8.py
+    rewrites them."""
     nodes = fp8_nodes(facts, cluster, layout)
     return sorted(set(facts.nodes.fp8_weight[nodes].tolist()))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.search.choices import choose
 from cost import Cluster, Layout
 from cost.step import StepFacts
 from cost.terms.compute import slot_stages
@@ -35,7 +36,7 @@ def refusals(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str]:
 
 def tied_across_stages(facts: StepFacts, cluster: Cluster, layout: Layout) -> list[str]:
     """The parameters read in slots of more than one pipeline stage under ``layout``'s cut."""
-    stage = slot_stages(facts, cluster, layout)
+    stage = slot_stages(facts, cluster, choose(facts, cluster, layout, through="chunks"))
     n = max(facts.n_layers, 0)
     out = []
     for name, layers in facts.params.stages_layer.items():

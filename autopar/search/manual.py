@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autopar.search.bound import rules_out
+from autopar.search.choices import choose
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout, LayoutError
 from cost.step import Prediction, StepFacts, check_layout, predict, predict_memory
@@ -95,10 +96,11 @@ def best_of(layouts, step: CapturedStep, cluster: Cluster) -> tuple[Layout, Pred
             continue
         if rules_out(facts, cluster, layout, best[1].step_time_s if best else None):
             continue  # its compute alone is no faster (`autopar.search.bound`)
-        memory = predict_memory(facts, cluster, layout, check=False)
+        chosen = choose(facts, cluster, layout)
+        memory = predict_memory(facts, cluster, chosen, check=False)
         if memory.total > cluster.gpu.memory_bytes:
             continue
-        pred = predict(facts, cluster, layout, memory=memory)
+        pred = predict(facts, cluster, chosen, memory=memory)
         if best is None or pred.step_time_s < best[1].step_time_s:
             best = (layout, pred)
     return best

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from autopar.errors import AutoparError
 from autopar.search.batch import small_batch_note
 from autopar.search.bound import rules_out
+from autopar.search.choices import choose
 from autopar.search.executable import refusals
 from autopar.search.manual import best_manual, divisors
 from autopar.search.step import CapturedStep
@@ -70,14 +71,14 @@ def candidate_layouts(
 ) -> Iterator[Layout]:
     """Every well-formed layout of the search space with a TP degree in ``tps``, in order.
     ``recompute``: the recompute modes searched ("auto": the cheapest choice that fits, per
-    layout, `cost.terms.recompute`; it is never slower than none, selective or full)."""
+    layout, `autopar.search.recompute_choice`; it is never slower than none, selective or full)."""
     world, batch, seq = cluster.world_size, facts.batch, facts.seq
     layers = max(facts.n_layers, 1)
     cps = [1] + [c for c in (2, 4, 8) if seq % c == 0 and seq // c >= 2048]
     eps = [e for e in divisors(facts.n_experts)] if facts.n_experts else [1]
     # the model's precision (`autopar.planning.planner.model_precision`), FP8 matmuls on request
     base = precision or default_precision(cluster)
-    # FP8: the per-matmul choice by cost ("auto", `cost.terms.compute.fp8_choice`)
+    # FP8: the per-matmul choice by cost ("auto", `autopar.search.choices.choose_fp8`)
     fp8s = ("none", "auto") if allow_fp8 and "fp8" in cluster.gpu.peak_flops else ("none",)
     for tp in tps:
         for cp in cps:
@@ -244,15 +245,17 @@ class _SearchState:
         return True
 
     def _price(self, facts: StepFacts, layout: Layout) -> Prediction | None:
-        """Memory first (cheap, prunes); the full price of a layout that fits, else None."""
-        mem = predict_memory(facts, self.cluster, layout, check=False)
+        """Memory first (cheap, prunes); the full price of a layout that fits, else None
+        (``layout`` as searched: its choices are made here, `autopar.search.choices`)."""
+        chosen = choose(facts, self.cluster, layout)
+        mem = predict_memory(facts, self.cluster, chosen, check=False)
         if mem.total > self.capacity:
             self.smallest.append((mem.total, layout))
             if len(self.smallest) > 64:
                 self.smallest = sorted(self.smallest, key=lambda x: x[0])[:8]
             return None
         self.stats["fit"] += 1
-        pred = predict(facts, self.cluster, layout, memory=mem)
+        pred = predict(facts, self.cluster, chosen, memory=mem)
         if layout.zero == 3 and layout.reshard:
             self.resharded[layout] = pred
         if layout.sp and layout.regather and pred.time_breakdown["recompute_s"] > 0:

@@ -13,10 +13,11 @@ from cost.hardware import GPUSpec
 from cost.memory import buffer_bytes, headroom_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import recipe
-from cost.stages import StageMemory, balanced_cuts, fitting_cuts
+from cost.stages import StageMemory
 from cost.step_facts import StepFacts
 from cost.terms.common import block_params, resolved
 from cost.terms.recompute import activation_memory, fixed_choice, local_saved_bytes
+from vocab.choices import ChoicesMissingError
 from vocab.layout import Layout
 from vocab.plan_types import RecomputeChoice, fp8_group
 
@@ -83,7 +84,7 @@ def times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
     return (cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
             cluster.params.attention_efficiency,
             layout.tp, layout.cp, layout.sp, layout.microbatch, facts.batch, layout.precision,
-            layout.fp8, layout.fp8_recipe)
+            _chosen_fp8(layout) if layout.fp8 == "auto" else layout.fp8, layout.fp8_recipe)
 
 
 def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -145,8 +146,8 @@ def fp8_candidates(facts: StepFacts, layout: Layout) -> np.ndarray:
 
 
 def fp8_nodes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
-    """Which nodes run in FP8 under ``layout`` (its ``fp8`` resolved: `fp8_choice`)."""
-    chosen = fp8_choice(facts, cluster, layout)
+    """Which nodes run in FP8 under ``layout`` (`fp8_groups`)."""
+    chosen = fp8_groups(facts, resolved(facts, cluster, layout))
     if not chosen:
         return np.zeros(len(facts.nodes), dtype=bool)
     groups = np.array([fp8_group(w) for w in facts.nodes.fp8_weight], dtype=str)
@@ -154,31 +155,23 @@ def fp8_nodes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     return fp8_candidates(facts, layout) & wanted
 
 
-def fp8_choice(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[str, ...]:
-    """The weight groups (`fp8_group`) whose matmuls run in FP8 under ``layout``.
-
-    "none": none; "all": every candidate; a tuple: those; "auto": each group whose FP8 matmuls,
-    casts included, are predicted faster than in the layout's precision at their local shape
-    (summed over the group's blocks, forward and backward). CPU ranks have no FP8 tensor cores:
-    "auto" picks nothing there (`CPU_FP8_MATMUL_FLOPS`).
-    """
-    layout = resolved(facts, cluster, layout)
-    groups = sorted({fp8_group(w) for w in facts.nodes.fp8_weight[fp8_candidates(facts, layout)]})
-    if layout.fp8 == "none" or not groups:
+def fp8_groups(facts: StepFacts, layout: Layout) -> tuple[str, ...]:
+    """The weights or weight groups (`fp8_group`) whose matmuls run in FP8 under ``layout``:
+    "none": none; "all": every candidate's group; a tuple: those; "auto": the search's choice
+    (`Layout.choices`, `autopar.search.choices.choose_fp8`)."""
+    if layout.fp8 == "auto":
+        return _chosen_fp8(layout)
+    if layout.fp8 == "none":
         return ()
     if layout.fp8 == "all":
-        return tuple(groups)
-    if isinstance(layout.fp8, tuple):
-        return tuple(layout.fp8)
-    if "fp8" not in cluster.gpu.peak_flops and not cluster.gpu.is_cpu:
-        return ()  # no FP8 tensor cores (A100): nothing to gain
+        return tuple(sorted({fp8_group(w) for w in facts.nodes.fp8_weight[fp8_candidates(facts, layout)]}))
+    return tuple(layout.fp8)
 
-    def build() -> tuple[str, ...]:
-        high = node_times(facts, cluster, layout.replace(fp8="none"))
-        low = node_times(facts, cluster, layout.replace(fp8="all"))
-        of = np.array([fp8_group(w) for w in facts.nodes.fp8_weight], dtype=str)
-        return tuple(g for g in groups if low[of == g].sum() < high[of == g].sum())
-    return facts.cache.get("fp8_choice", times_key(facts, cluster, layout), build)
+
+def _chosen_fp8(layout: Layout) -> tuple[str, ...]:
+    if layout.choices is None or layout.choices.fp8 is None:
+        raise ChoicesMissingError(layout.short(), "fp8='auto'")
+    return layout.choices.fp8
 
 
 def step_node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
@@ -209,43 +202,22 @@ def host_bound(cluster: Cluster, device_s: np.ndarray, host_s: np.ndarray) -> np
 
 def slot_chunks(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     """Pipeline chunk of every slot (index = block index + 1: 0 before the blocks, L + 1
-    after): the contiguous cut of `cost.stages.balanced_cuts` into ``pp * v`` chunks (v virtual
-    stages per rank under interleaved 1F1B, else 1) on each slot's step seconds for one
-    micro-batch under ``layout`` (memoised with the node times). Chunk c runs on rank c mod pp."""
+    after), read-only: one chunk without a pipeline, else the search's cut into ``pp * v``
+    chunks (v virtual stages per rank under interleaved 1F1B, else 1; `Layout.choices`,
+    `autopar.search.choices.choose_chunks`). Chunk c runs on rank c mod pp."""
+    n_layers = max(facts.n_layers, 0)
     if layout.pp == 1 and virtual_stages(layout) == 1:
         # one chunk holds every slot, whatever the times (the search asks this most)
-        return facts.cache.get("one_chunk", (max(facts.n_layers, 0),), lambda: _read_only(
-            np.zeros(max(facts.n_layers, 0) + 2, dtype=int)))
-    layout = resolved(facts, cluster, layout)
-    n_layers = max(facts.n_layers, 0)
-    chunks = layout.pp * virtual_stages(layout)
-
-    def time_cut() -> tuple[np.ndarray | None, np.ndarray]:
-        if n_layers == 0 or chunks == 1:
-            return None, np.zeros(n_layers + 2, dtype=int)
-        slot = np.clip(facts.nodes.layer, -1, n_layers) + 1
-        cost = np.bincount(slot, weights=node_times(facts, cluster, layout), minlength=n_layers + 2)
-        blocks = balanced_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]))
-        return cost, np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
-
-    cost, chunk_map = facts.cache.get("chunk_map", (chunks, *times_key(facts, cluster, layout)),
-                                      time_cut)
-    if cost is None or virtual_stages(layout) > 1 or not facts.memory_cuts:
-        return chunk_map
-
-    def memory_cut() -> tuple[np.ndarray, np.ndarray]:
-        # the cut that balances time may not fit: 1F1B's first stage holds pp micro-batches
-        memory = slot_memory(facts, cluster, layout)
-        if memory.fits(chunk_map[1:-1], chunks):
-            return chunk_map, chunk_map
-        blocks = fitting_cuts(cost[1:n_layers + 1], chunks, float(cost[0]), float(cost[-1]), memory)
-        if blocks is None:  # no cut fits: the one that balances time (`balanced_cuts`)
-            return chunk_map, chunk_map
-        return chunk_map, np.concatenate([[0], blocks, [chunks - 1]]).astype(int)
-
-    # the time cut is kept alive with the memory cut: its id is the key
-    key = (id(chunk_map), layout, cluster.gpu.memory_bytes, cluster.params)
-    return facts.cache.get("chunk_map_memory", key, memory_cut)[1]
+        return facts.cache.get("one_chunk", (n_layers,), lambda: _read_only(
+            np.zeros(n_layers + 2, dtype=int)))
+    chunks = layout.choices.chunks if layout.choices is not None else None
+    if chunks is None:
+        raise ChoicesMissingError(layout.short(), f"cut into {layout.pp * virtual_stages(layout)} "
+                                                  "pipeline chunks")
+    if len(chunks) != n_layers + 2:
+        raise ValueError(f"layout {layout.short()}: its cut names {len(chunks)} slots, the step "
+                         f"has {n_layers + 2} ({n_layers} blocks and the slots before and after)")
+    return facts.cache.get("chunks", (chunks,), lambda: _read_only(np.array(chunks, dtype=int)))
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

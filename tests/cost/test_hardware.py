@@ -6,6 +6,7 @@ import json
 import warnings
 
 import pytest
+from pricing import priced
 
 from cost.calibration import Calibration, load_calibration, save_calibration
 from cost.cluster import PROFILES, Cluster, Link
@@ -159,7 +160,6 @@ def test_local_pipelines_priced_as_they_run(tmp_path, monkeypatch):
     from autopar import models
     from autopar.search.step import captured_step
     from cost import Layout
-    from cost.step import predict
 
     data = {
         "version": 1, "world_size": 4, "matmul_flops": {"fp32": 2e11}, "memory_bw": 2e10,
@@ -173,10 +173,10 @@ def test_local_pipelines_priced_as_they_run(tmp_path, monkeypatch):
     batch = models.example_inputs("tiny-llama", batch=8, seq=16, device="meta")
     facts = captured_step(models.build("tiny-llama", device="meta"), batch, None, None, fused=False).facts()
     lay = Layout(pp=2, dp=2, microbatch=1, grad_accum=4, precision="fp32")
-    shared = predict(facts, four, lay)
+    shared = priced(facts, four, lay)
     alone = Cluster.local()
     alone.host_share = None  # as if each rank had its own core budget
-    plain = predict(facts, alone, lay)
+    plain = priced(facts, alone, lay)
     # 1F1B, 2 stages, 4 micro-batches: 4 of 5 slots busy, so 2 ranks of 4 busy on 2 cores
     # get 2 / (4 * 0.8) = 0.625 of a core each instead of 0.5
     assert shared.time_breakdown["compute_s"] == pytest.approx(plain.time_breakdown["compute_s"] * 0.8)

@@ -5,12 +5,12 @@ import json
 
 import numpy as np
 import pytest
+from pricing import priced
 
 from cost.cluster import H100_EFA_FIT, Cluster
 from cost.comm import Group, bus_bandwidth, collective_time
 from cost.params import PARAMETERS, CostParams
 from cost.profile import CostProfile, coverage_notes, coverage_within, load_profile, save_profile
-from cost.step import predict
 from cost.terms.compute import host_bound
 from vocab.layout import Layout
 
@@ -99,10 +99,10 @@ def test_collective_params_move_step_collectives_not_nccl_tests():
 def test_each_time_parameter_moves_the_step(llama_step):
     facts = llama_step[3].facts()
     lay = Layout(dp=4, tp=2, pp=2, sp=True, zero=1, microbatch=2, grad_accum=2)
-    base = predict(facts, Cluster("h100", nodes=2), lay)
+    base = priced(facts, Cluster("h100", nodes=2), lay)
 
     def step(**kw):
-        return predict(facts, Cluster("h100", nodes=2, params=CostParams(**kw)), lay)
+        return priced(facts, Cluster("h100", nodes=2, params=CostParams(**kw)), lay)
 
     assert step(framework_efficiency=0.5).time_breakdown["compute_s"] == pytest.approx(
         base.time_breakdown["compute_s"] * 0.85 / 0.5)
@@ -123,8 +123,8 @@ def test_each_time_parameter_moves_the_step(llama_step):
 def test_a_launch_bound_step_pays_the_host_and_its_terms_add_up(llama_step):
     facts = llama_step[3].facts()
     lay = Layout(tp=8, sp=True, microbatch=1, grad_accum=16)
-    base = predict(facts, Cluster("h100"), lay)
-    bound = predict(facts, Cluster("h100", params=CostParams(layer_overhead_s=5e-3)), lay)
+    base = priced(facts, Cluster("h100"), lay)
+    bound = priced(facts, Cluster("h100", params=CostParams(layer_overhead_s=5e-3)), lay)
     host = bound.time_breakdown["host_overhead_s"]
     # 2 blocks x 5 ms of host per micro-batch outlast the tp8 device's work: the excess is paid
     assert host > 0.05 and bound.step_time_s == pytest.approx(base.step_time_s + host, rel=1e-9)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pricing import priced
 from torch import nn
 
 import autopar
@@ -20,7 +21,7 @@ from autopar import models
 from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
 from autopar.search.facts import _fp8_roles, build_step_facts, recompute_marks
-from cost.step import predict, predict_memory, recompute_choice
+from cost.step import recompute_choice
 from cost.terms.recompute import columns, rebuilt_peak
 from passes.recompute import heavy_groups, values_to_recompute
 from vocab.layout import LayoutError
@@ -129,47 +130,20 @@ def _squeezed(cluster, memory_bytes: float):
     return cluster
 
 
-def test_auto_is_the_fastest_choice_that_fits():
-    cfg = dataclasses.replace(models.config("tiny-llama"), name="llama-4x256", n_layers=4, hidden=256,
-                              n_heads=8, n_kv_heads=4, ffn=768, vocab=512, max_seq=256)
-    graph = capture(models.build(cfg, device="meta"), models.example_inputs(cfg, batch=8, seq=256, device="meta"))
-    facts = build_step_facts(graph, analyze(graph), cfg)
-    base = dict(dp=1, microbatch=8, precision="fp32")
-    cluster = autopar.Cluster("h100", nodes=1, gpus_per_node=1)
-    mem = {m: predict_memory(facts, cluster, autopar.Layout(**base, recompute=m)).total
-           for m in ("none", "selective", "full")}
-    assert mem["full"] < mem["selective"] < mem["none"]
-    for room, expect in ((mem["none"] * 1.01, "none"), ((mem["none"] + mem["selective"]) / 2, "selective"),
-                         ((mem["selective"] + mem["full"]) / 2, "partial"), (mem["full"] * 0.99, "full")):
-        squeezed = _squeezed(autopar.Cluster("h100", nodes=1, gpus_per_node=1), room)
-        times = {m: predict(facts, squeezed, autopar.Layout(**base, recompute=m))
-                 for m in ("none", "selective", "full", "auto")}
-        choice = recompute_choice(facts, squeezed, autopar.Layout(**base, recompute="auto"))
-        kind = "partial" if choice.mode == "selective" and choice.outputs else choice.mode
-        assert kind == expect, (room, choice)
-        fitting = [times[m].step_time_s for m in ("none", "selective", "full") if times[m].fits]
-        if fitting:  # never slower than a manual mode that fits, and it fits itself
-            assert times["auto"].fits
-            assert times["auto"].step_time_s <= min(fitting) + 1e-12
-        if kind == "partial":  # strictly faster than full, the only manual mode that fits
-            assert fitting == [times["full"].step_time_s]
-            assert times["auto"].step_time_s < times["full"].step_time_s
-
-
 def test_named_groups_are_priced_between_selective_and_full_and_checked():
     _, _, facts, _ = _step("tiny-llama")
     cluster = autopar.Cluster("h100", nodes=1, gpus_per_node=1)
     group = "layers.*.mlp.up_proj.weight"
     layouts = {m: autopar.Layout(microbatch=2, precision="fp32", recompute=m)
                for m in ("selective", (group,), ("layers.1.mlp.up_proj.weight",), "full")}
-    pred = {k: predict(facts, cluster, lay) for k, lay in layouts.items()}
+    pred = {k: priced(facts, cluster, lay) for k, lay in layouts.items()}
     acts = [p.memory_breakdown["activations"] for p in pred.values()]
     assert acts[0] > acts[1] == acts[2] > acts[3]  # a block's weight name means its group
     rec = [p.time_breakdown["recompute_s"] for p in pred.values()]
     assert rec[0] < rec[1] < rec[3]
     assert recompute_choice(facts, cluster, layouts[(group,)]) == RecomputeChoice("selective", (group,))
     with pytest.raises(LayoutError, match="layers.*.mlp.gate_proj.weight"):
-        predict(facts, cluster, autopar.Layout(microbatch=2, recompute=("layers.*.mlp.nope.weight",)))
+        priced(facts, cluster, autopar.Layout(microbatch=2, recompute=("layers.*.mlp.nope.weight",)))
 
 
 def test_plan_shows_and_round_trips_the_choice():
@@ -184,39 +158,3 @@ def test_plan_shows_and_round_trips_the_choice():
     del old["recompute_choice"]  # a plan written before the choice was recorded
     old["layout"]["recompute"] = "full"
     assert PlanDecisions.from_dict(old).recompute_choice == RecomputeChoice("full")
-
-
-def test_pipeline_stages_choose_apart():
-    """1F1B's first stage holds pp micro-batches of activations, the last one: on a device
-    squeezed below the first stage's need, "auto" recomputes there and keeps everything on the
-    later stages, a shorter step than any one choice for all stages that fits; the plan lists
-    each stage's choice and its JSON keeps them."""
-    from meta_steps import llama_like
-
-    from cost import Cluster, Layout
-    from cost.step import recompute_choices, stage_memory
-
-    model, step = llama_like(16, 2048, n_layers=8, hidden=1024, n_heads=8, n_kv_heads=8, ffn=3072,
-                             vocab=4000)
-    facts = step.facts()
-    roomy = Cluster("h100", nodes=1, gpus_per_node=8)
-    base = dict(pp=8, microbatch=2, grad_accum=8, precision="bf16")  # one block a stage: no cut helps
-    need = [b.total for b in stage_memory(facts, roomy, Layout(**base, recompute="none"))]
-    assert need[0] == max(need)
-    tight = Cluster("h100", nodes=1, gpus_per_node=8,
-                    gpu=dataclasses.replace(roomy.gpu, memory_bytes=0.9 * need[0]))
-    auto = Layout(**base, recompute="auto")
-    choices = recompute_choices(facts, tight, auto)
-    assert choices[0].mode != "none" and choices[-1].mode == "none"
-    staged = predict(facts, tight, auto)
-    assert staged.fits
-    uniform = [Layout(**base, recompute=c.outputs if c.outputs else c.mode) for c in set(choices)]
-    uniform += [Layout(**base, recompute=m) for m in ("selective", "full")]
-    fitting = [predict(facts, tight, lay) for lay in uniform if predict(facts, tight, lay).fits]
-    assert fitting and staged.step_time_s < min(p.step_time_s for p in fitting)
-    plan = autopar.plan(model, models.example_inputs(model.config, batch=16, seq=2048, device="meta"),
-                        cluster=tight, layout=auto)
-    assert plan.decisions.recompute_per_stage == choices
-    assert "stage 0: selective" in plan.summary() and "stage 7: none" in plan.summary()
-    again = PlanDecisions.from_dict(plan.decisions.to_dict())
-    assert again.recompute_per_stage == choices and again.stage_recompute(7).mode == "none"

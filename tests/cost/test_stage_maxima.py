@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost.terms.recompute import _rebuilt_peaks_apart, group_max, rebuilt_peaks, rebuilt_sweep
+from autopar.search.recompute_choice import _rebuilt_peaks_apart
+from cost.terms.recompute import group_max, rebuilt_peaks, rebuilt_sweep
 
 
 @settings(derandomize=True, max_examples=200, deadline=None)

@@ -1,10 +1,10 @@
 """Predicted step time and memory of layouts, on a captured llama3-8b-wide step (2 blocks)."""
 
 import pytest
+from pricing import priced, priced_memory
 
 from autopar.search.facts import build_step_facts
 from cost import Cluster, Layout, LayoutError
-from cost.step import predict, predict_memory
 
 H100_8 = Cluster("h100", nodes=1, gpus_per_node=8)
 
@@ -19,7 +19,7 @@ def test_model_state_memory_follows_the_zero_formulas(llama_step):
         2: (2, 6 / 8, 12 / 8),
         3: (2 / 8, 6 / 8, 12 / 8),
     }.items():
-        mem = predict(facts, H100_8, Layout(dp=8, zero=zero, microbatch=1, grad_accum=2)).memory_breakdown
+        mem = priced(facts, H100_8, Layout(dp=8, zero=zero, microbatch=1, grad_accum=2)).memory_breakdown
         assert mem["params"] == pytest.approx(params * psi, rel=1e-6)
         assert mem["grads"] == pytest.approx(grads * psi, rel=1e-6)
         assert mem["optimizer"] == pytest.approx(opt * psi, rel=1e-6)
@@ -33,7 +33,7 @@ def test_activations_scale_with_microbatch_and_shrink_with_tp_sp_and_recompute(l
     def act(**kw):
         base = dict(dp=8, microbatch=1, grad_accum=2)
         base.update(kw)
-        return predict_memory(facts, H100_8, Layout(**base)).activations
+        return priced_memory(facts, H100_8, Layout(**base)).activations
 
     # (the rotary tables are the same for any batch: linear up to them)
     assert act(microbatch=2, grad_accum=1) == pytest.approx(2 * act(), rel=1e-2)
@@ -45,18 +45,18 @@ def test_activations_scale_with_microbatch_and_shrink_with_tp_sp_and_recompute(l
 
 def test_fits_reports_the_memory_wall(llama_step):
     facts = llama_step[3].facts()
-    small = predict(facts, H100_8, Layout(dp=8, zero=1, microbatch=1, grad_accum=2))
+    small = priced(facts, H100_8, Layout(dp=8, zero=1, microbatch=1, grad_accum=2))
     assert small.fits and small.memory_per_device_bytes < H100_8.gpu.memory_bytes
-    big = predict(facts.rebatch(64), Cluster("h100", nodes=1, gpus_per_node=1), Layout(microbatch=64))
+    big = priced(facts.rebatch(64), Cluster("h100", nodes=1, gpus_per_node=1), Layout(microbatch=64))
     assert not big.fits and big.memory_per_device_bytes > H100_8.gpu.memory_bytes
 
 
 def test_more_data_parallelism_shortens_the_step_and_tp_costs_communication(llama_step):
     facts = llama_step[3].facts()
-    one = predict(facts, Cluster("h100", nodes=1, gpus_per_node=1), Layout(microbatch=1, grad_accum=16))
-    eight = predict(facts, H100_8, Layout(dp=8, microbatch=1, grad_accum=2))
+    one = priced(facts, Cluster("h100", nodes=1, gpus_per_node=1), Layout(microbatch=1, grad_accum=16))
+    eight = priced(facts, H100_8, Layout(dp=8, microbatch=1, grad_accum=2))
     assert eight.step_time_s < one.step_time_s / 4
-    tp = predict(facts, H100_8, Layout(tp=8, sp=True, microbatch=1, grad_accum=16))
+    tp = priced(facts, H100_8, Layout(tp=8, sp=True, microbatch=1, grad_accum=16))
     assert tp.time_breakdown["tp_comm_s"] > 0
     assert tp.time_breakdown["dp_comm_total_s"] == 0
 
@@ -64,16 +64,16 @@ def test_more_data_parallelism_shortens_the_step_and_tp_costs_communication(llam
 def test_pipeline_bubble_shrinks_with_more_microbatches(llama_step):
     facts = llama_step[3].facts()
     cluster = Cluster("h100", nodes=1, gpus_per_node=2)
-    few = predict(facts, cluster, Layout(pp=2, microbatch=8, grad_accum=2))
-    many = predict(facts, cluster, Layout(pp=2, microbatch=1, grad_accum=16))
+    few = priced(facts, cluster, Layout(pp=2, microbatch=8, grad_accum=2))
+    many = priced(facts, cluster, Layout(pp=2, microbatch=1, grad_accum=16))
     frac = lambda p: p.time_breakdown["pp_bubble_s"] / p.step_time_s  # noqa: E731
     assert frac(few) > frac(many) > 0
 
 
 def test_rebatch_is_linear(llama_step):
     facts = llama_step[3].facts()
-    a = predict(facts, H100_8, Layout(dp=8, microbatch=1, grad_accum=2))
-    b = predict(facts.rebatch(32), H100_8, Layout(dp=8, microbatch=1, grad_accum=4))
+    a = priced(facts, H100_8, Layout(dp=8, microbatch=1, grad_accum=2))
+    b = priced(facts.rebatch(32), H100_8, Layout(dp=8, microbatch=1, grad_accum=4))
     assert b.time_breakdown["compute_s"] == pytest.approx(2 * a.time_breakdown["compute_s"], rel=1e-6)
     assert b.memory_breakdown["activations"] == pytest.approx(a.memory_breakdown["activations"], rel=1e-3)
 
@@ -81,11 +81,11 @@ def test_rebatch_is_linear(llama_step):
 def test_fp8_speeds_up_matmuls_where_the_gpu_has_it(llama_step):
     facts = llama_step[3].facts()
     lay = Layout(dp=8, microbatch=2, grad_accum=1)
-    bf16 = predict(facts, H100_8, lay)
-    fp8 = predict(facts, H100_8, lay.replace(precision="fp8"))
+    bf16 = priced(facts, H100_8, lay)
+    fp8 = priced(facts, H100_8, lay.replace(precision="fp8"))
     assert fp8.step_time_s < bf16.step_time_s
     with pytest.raises(LayoutError, match="FP8"):
-        predict(facts, Cluster("a100", nodes=1, gpus_per_node=8), lay.replace(precision="fp8"))
+        priced(facts, Cluster("a100", nodes=1, gpus_per_node=8), lay.replace(precision="fp8"))
 
 
 def test_fused_kernels_move_fewer_bytes_than_eager(llama_step):
@@ -93,7 +93,7 @@ def test_fused_kernels_move_fewer_bytes_than_eager(llama_step):
 
     eager = build_step_facts(step.graph, step.analysis, step.config, fused=False)
     lay = Layout(dp=8, microbatch=1, grad_accum=2)
-    assert predict(step.facts(), H100_8, lay).step_time_s < predict(eager, H100_8, lay).step_time_s
+    assert priced(step.facts(), H100_8, lay).step_time_s < priced(eager, H100_8, lay).step_time_s
 
 
 @pytest.mark.parametrize(
@@ -109,10 +109,10 @@ def test_fused_kernels_move_fewer_bytes_than_eager(llama_step):
 def test_bad_layouts_name_the_problem(llama_step, layout, cluster, message):
     facts = llama_step[3].facts()
     if message is None:
-        predict(facts, cluster, layout)  # a valid layout: no error
+        priced(facts, cluster, layout)  # a valid layout: no error
         return
     with pytest.raises(LayoutError, match=message):
-        predict(facts, cluster, layout)
+        priced(facts, cluster, layout)
 
 
 def test_layout_validates_its_own_fields():
@@ -139,27 +139,8 @@ def test_cpu_ranks_expose_all_communication(llama_step):
     assert small.sum() > 3 * collective_time("all_reduce", 4.0 * facts.batch * facts.seq, group, cpu)
     no_sp = Layout(tp=4, microbatch=facts.batch, precision="fp32")
     assert tp_small_collectives(facts, cpu, no_sp, 1.0, facts.n_layers, group).sum() < small.sum()
-    cpu_tp = predict(facts, cpu, lay).time_breakdown["tp_comm_s"]
+    cpu_tp = priced(facts, cpu, lay).time_breakdown["tp_comm_s"]
     assert cpu_tp >= small.sum()
-
-
-def test_fp8_auto_keeps_fp8_only_where_it_pays(llama_step):
-    # llama3-8b widths at tp=8 and one 1024-token sequence per micro-batch: the attention
-    # projections' local shapes are too small for the casts to pay, the MLP's are not
-    from cost.terms.compute import fp8_choice
-
-    facts = llama_step[3].facts()
-    lay = Layout(tp=8, sp=True, microbatch=1)
-    times = {f: predict(facts, H100_8, lay.replace(fp8=f)).step_time_s for f in ("none", "all", "auto")}
-    assert times["auto"] < min(times["none"], times["all"])
-    chosen = fp8_choice(facts, H100_8, lay.replace(fp8="auto"))
-    assert "layers.*.mlp.up_proj.weight" in chosen and "layers.*.attn.k_proj.weight" not in chosen
-    # CPU ranks have no FP8 tensor cores: "auto" picks nothing there, "all" is priced as asked
-    cpu = Cluster.local(ranks=8)
-    assert fp8_choice(facts, cpu, lay.replace(fp8="auto")) == ()
-    assert predict(facts, cpu, lay.replace(fp8="all")).step_time_s > predict(facts, cpu, lay).step_time_s
-    with pytest.raises(LayoutError, match="no weight read by a matmul"):
-        predict(facts, H100_8, lay.replace(fp8=("layers.*.nope.weight",)))
 
 
 def test_keeping_the_sp_gathers_trades_a_gather_for_memory(llama_step):
@@ -170,8 +151,8 @@ def test_keeping_the_sp_gathers_trades_a_gather_for_memory(llama_step):
     facts = step.facts()
     efa = Cluster("h100-efa", nodes=1)
     common = dict(tp=4, dp=2, sp=True, microbatch=2, grad_accum=4, precision="bf16")
-    redo = predict(facts, efa, Layout(**common, recompute="selective"))
-    keep = predict(facts, efa, Layout(**common, recompute="selective", regather=False))
+    redo = priced(facts, efa, Layout(**common, recompute="selective"))
+    keep = priced(facts, efa, Layout(**common, recompute="selective", regather=False))
     assert keep.time_breakdown["recompute_s"] < redo.time_breakdown["recompute_s"]
     assert keep.step_time_s < redo.step_time_s
     # two gathered inputs per block (attention's and the MLP's) whole, bf16 [mb * seq, hidden]
@@ -193,8 +174,8 @@ def test_zero3_keeping_the_gathered_weights_trades_a_gather_for_memory(llama_ste
     _, model, _, step = llama_step
     facts = step.facts()
     common = dict(dp=8, zero=3, microbatch=1, grad_accum=2, precision="bf16", recompute="none")
-    reshard = predict(facts, H100_8, Layout(**common))
-    kept = predict(facts, H100_8, Layout(**common, reshard=False))
+    reshard = priced(facts, H100_8, Layout(**common))
+    kept = priced(facts, H100_8, Layout(**common, reshard=False))
     gathers = reshard.time_breakdown["dp_comm_total_s"] - kept.time_breakdown["dp_comm_total_s"]
     assert gathers > 0 and kept.step_time_s <= reshard.step_time_s
     weights = sum(p.numel() for p in model.parameters()) * 2  # bf16

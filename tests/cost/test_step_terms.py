@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from pricing import priced, priced_stages
 
 from autopar import models
 from autopar.search.step import captured_step
 from cost import Cluster, Layout
 from cost.cluster import Link
-from cost.step import predict, stage_memory
 from cost.terms.pipeline_parallel import loss_broadcast
 
 H100_8 = Cluster("h100", nodes=1, gpus_per_node=8)
@@ -92,7 +92,7 @@ def _assert_terms_add_up(pred) -> None:
 @pytest.mark.parametrize("case", sorted(LLAMA_LAYOUTS))
 def test_terms_add_up_and_stay_near_the_reference(llama_step, case):
     cluster, layout, step_s, memory = LLAMA_LAYOUTS[case]
-    pred = predict(llama_step[3].facts(), cluster, layout)
+    pred = priced(llama_step[3].facts(), cluster, layout)
     _assert_terms_add_up(pred)
     assert pred.step_time_s == pytest.approx(step_s, rel=STEP_REL)
     assert pred.memory_per_device_bytes == pytest.approx(memory, rel=MEMORY_REL)
@@ -100,7 +100,7 @@ def test_terms_add_up_and_stay_near_the_reference(llama_step, case):
 
 def test_pipeline_breakdown_stays_near_the_reference(llama_step):
     cluster, layout, _, _ = LLAMA_LAYOUTS["dp2_tp2_pp2_z3_sel"]
-    got = predict(llama_step[3].facts(), cluster, layout).time_breakdown
+    got = priced(llama_step[3].facts(), cluster, layout).time_breakdown
     assert set(got) == set(PIPELINE_BREAKDOWN) | set(ABSENT_TERMS)
     for key in ABSENT_TERMS:  # no CP, no EP, a GPU cluster: nothing priced for them
         assert got[key] == 0.0, key
@@ -112,7 +112,7 @@ def test_expert_parallel_terms_add_up_and_stay_near_the_reference():
     facts = _moe_facts()
     cluster = Cluster("h100", nodes=1, gpus_per_node=4)
     for layout, step_s, memory in MOE_LAYOUTS.values():
-        pred = predict(facts, cluster, layout)
+        pred = priced(facts, cluster, layout)
         assert pred.time_breakdown["ep_comm_s"] > 0
         _assert_terms_add_up(pred)
         assert pred.step_time_s == pytest.approx(step_s, rel=STEP_REL)
@@ -127,7 +127,7 @@ def test_faster_links_never_predict_a_slower_step(llama_step):
     comm = ("tp_comm_s", "cp_comm_exposed_s", "ep_comm_s", "pp_p2p_s", "dp_comm_exposed_s",
             "dp_comm_total_s")
     for case, (cluster, layout, _, _) in sorted(LLAMA_LAYOUTS.items()):
-        slow, fast = (predict(facts, c, layout) for c in (cluster, _faster_links(cluster, 2.0)))
+        slow, fast = (priced(facts, c, layout) for c in (cluster, _faster_links(cluster, 2.0)))
         assert fast.step_time_s <= slow.step_time_s * (1 + 1e-12), case
         assert fast.time_breakdown["compute_s"] == pytest.approx(slow.time_breakdown["compute_s"],
                                                                  rel=1e-12), case
@@ -147,7 +147,7 @@ def test_more_tp_never_reduces_tp_communication(llama_step, sp):
     for tp in (1, 2, 4, 8):
         dp = 8 // tp
         layout = Layout(dp=dp, tp=tp, sp=sp and tp > 1, microbatch=2, grad_accum=16 // (2 * dp))
-        comm.append(predict(facts, H100_8, layout).time_breakdown["tp_comm_s"])
+        comm.append(priced(facts, H100_8, layout).time_breakdown["tp_comm_s"])
     assert comm[0] == 0.0
     assert comm == sorted(comm) and len(set(comm)) == len(comm), comm
 
@@ -157,7 +157,7 @@ def test_a_higher_zero_stage_never_holds_more_memory(llama_step, recompute):
     """ZeRO-1 shards the optimizer state over dp, ZeRO-2 the gradients too, ZeRO-3 the
     weights too: each stage holds no more per device than the one before (dp=8)."""
     facts = llama_step[3].facts()
-    mem = [predict(facts, H100_8, Layout(dp=8, zero=z, microbatch=1, grad_accum=2,
+    mem = [priced(facts, H100_8, Layout(dp=8, zero=z, microbatch=1, grad_accum=2,
                                          recompute=recompute)).memory_per_device_bytes
            for z in range(4)]
     assert mem == sorted(mem, reverse=True) and len(set(mem)) == 4, mem
@@ -189,8 +189,8 @@ def deep_llama():
 def test_fewer_microbatches_than_stages_leave_a_large_bubble(deep_llama):
     """1F1B at pp=8: the bubble is (p-1)/m of the useful time, so with m=1 the pipeline runs
     p-1 idle slots for one useful one; each stage holds min(m, p) micro-batches."""
-    one = predict(deep_llama, H100_8, Layout(pp=8, microbatch=8, grad_accum=1))
-    eight = predict(deep_llama, H100_8, Layout(pp=8, microbatch=1, grad_accum=8))
+    one = priced(deep_llama, H100_8, Layout(pp=8, microbatch=8, grad_accum=1))
+    eight = priced(deep_llama, H100_8, Layout(pp=8, microbatch=1, grad_accum=8))
     for pred in (one, eight):
         assert math.isfinite(pred.step_time_s) and pred.step_time_s > 0
     assert one.time_breakdown["pp_bubble_s"] > eight.time_breakdown["pp_bubble_s"]
@@ -201,8 +201,8 @@ def test_fewer_microbatches_than_stages_leave_a_large_bubble(deep_llama):
         assert pred.time_breakdown["pp_bubble_s"] / pipe == pytest.approx(7 / (m + 7), rel=1e-9)
     # stage s holds min(m, p - s) micro-batches: stages 1 and 2 (one identical block each)
     # hold the same with m=1, 7:6 with m=8
-    one_mem = stage_memory(deep_llama, H100_8, Layout(pp=8, microbatch=8, grad_accum=1))
-    eight_mem = stage_memory(deep_llama, H100_8, Layout(pp=8, microbatch=1, grad_accum=8))
+    one_mem = priced_stages(deep_llama, H100_8, Layout(pp=8, microbatch=8, grad_accum=1))
+    eight_mem = priced_stages(deep_llama, H100_8, Layout(pp=8, microbatch=1, grad_accum=8))
     assert one_mem[1].activations == pytest.approx(one_mem[2].activations, rel=1e-9)
     assert eight_mem[1].activations / eight_mem[2].activations == pytest.approx(7 / 6, rel=1e-9)
     # and 8 sequences in flight on stage 1 either way (activations are linear in the batch)

@@ -75,8 +75,11 @@ def _held_worker(rank: int, world: int, schedule: str, m: int) -> tuple:
     pipeline.run_backward_input, pipeline.run_backward_weight = run_backward_input, run_backward_weight
     pm(*batch).backward()
 
-    plan, layout = pm.plan, pm.plan.layout
-    facts = plan._step.facts_for(plan.cluster, layout)
+    from autopar.search.choices import choose
+
+    plan = pm.plan
+    facts = plan.step_facts()
+    layout = choose(facts, plan.cluster, plan.layout)
     per_stage, _ = activation_memory(
         facts, local_saved_bytes(facts, plan.cluster, layout),
         stage_of(facts, facts.saved.layer, plan.cluster, layout), layout.pp,

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from pricing import priced
 
 from autopar.calibrate.fit import (
     PRIOR_WEIGHT,
@@ -20,7 +21,6 @@ from autopar.calibrate.fit import (
 from autopar.calibrate.runs import Run, RunPricer
 from cost.cluster import Cluster
 from cost.params import MEMORY_PARAMETERS, PARAMETERS, SPECS, TIME_PARAMETERS, CostParams
-from cost.step import predict
 from vocab.layout import Layout
 
 TRUTH = CostParams(framework_efficiency=0.7, collective_overhead_s=2e-4,
@@ -48,7 +48,7 @@ def synthetic():
     for i, (nodes, lay) in enumerate(_layouts()):
         probe = Run(i, "tiny-llama", nodes, lay, 64, 1.0, None)
         cluster = Cluster("h100", nodes=nodes, params=TRUTH)
-        p = predict(pricer.facts(probe), cluster, lay)
+        p = priced(pricer.facts(probe), cluster, lay)
         allocated = p.memory_per_device_bytes - TRUTH.memory_reserve_bytes
         runs.append(Run(i, "tiny-llama", nodes, lay, 64, p.tokens_per_s_per_gpu, allocated / 1e9))
     return pricer, runs
@@ -86,7 +86,7 @@ def test_a_published_prior_decides_what_the_runs_leave_free():
     for i, mb in enumerate((1, 2, 4)):
         lay = Layout(pp=2, microbatch=mb, grad_accum=64 // mb, precision="bf16")
         probe = Run(100 + i, "tiny-llama", 1, lay, 64, 1.0, None)
-        p = predict(pricer.facts(probe), Cluster("h100", nodes=1, gpus_per_node=2, params=TRUTH), lay)
+        p = priced(pricer.facts(probe), Cluster("h100", nodes=1, gpus_per_node=2, params=TRUTH), lay)
         runs.append(Run(100 + i, "tiny-llama", 1, lay, 64, p.tokens_per_s_per_gpu, None))
     result = fit_params(runs, pricer, start=CostParams(overlap_slowdown=0.6), max_evals=300)
     assert result.params.overlap_slowdown == pytest.approx(SPECS["overlap_slowdown"].prior, abs=0.02)

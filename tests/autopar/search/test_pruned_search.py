@@ -13,6 +13,7 @@ import autopar
 from autopar import models
 from autopar.search.batch import filling_batch, small_batch_note
 from autopar.search.bound import rules_out, step_time_lower_bound
+from autopar.search.choices import choose
 from autopar.search.solver import candidate_layouts, search, solve
 from autopar.search.step import captured_step
 from cost import Cluster, LayoutError
@@ -95,7 +96,7 @@ def test_pruned_search_matches_the_reference(name, shape, batch, seq, cluster):
         except LayoutError:
             continue
         bound = step_time_lower_bound(facts, cluster, layout)
-        step_s = predict(facts, cluster, layout).step_time_s
+        step_s = predict(facts, cluster, choose(facts, cluster, layout)).step_time_s
         assert 0 < bound <= step_s
         # a best the layout would beat is never ruled out; one it equals may be
         assert not rules_out(facts, cluster, layout, step_s * (1 + 1e-7))
@@ -142,9 +143,10 @@ def test_manual_grid_keeps_its_best_under_the_bound():
                 check_layout(facts, cluster, layout)
             except LayoutError:
                 continue
-            if predict_memory(facts, cluster, layout, check=False).total > cluster.gpu.memory_bytes:
+            chosen = choose(facts, cluster, layout)
+            if predict_memory(facts, cluster, chosen, check=False).total > cluster.gpu.memory_bytes:
                 continue
-            pred = predict(facts, cluster, layout)
+            pred = predict(facts, cluster, chosen)
             if brute is None or pred.step_time_s < brute[1].step_time_s:
                 brute = (layout, pred)
         assert (got[family.name] is None) == (brute is None), family.name

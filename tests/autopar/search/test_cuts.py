@@ -1,4 +1,4 @@
-"""Pipeline cuts: the balanced contiguous split is exact (equals brute force), keeps the even
+"""Pipeline cuts (`autopar.search.cuts`, `choices.choose_chunks`): the balanced contiguous split is exact (equals brute force), keeps the even
 split when the blocks are equal, and moves blocks off a heavy last stage."""
 
 import dataclasses
@@ -8,11 +8,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from meta_steps import llama_like
+from pricing import priced
 
+from autopar.search.choices import choose
+from autopar.search.cuts import balanced_cuts, fitting_cuts
 from cost import Cluster, Layout
-from cost.stages import StageMemory, balanced_cuts, fitting_cuts
+from cost.stages import StageMemory
 from cost.step import predict
 from cost.terms.compute import slot_memory, slot_stages
+from vocab.choices import Choices
 
 
 def _brute_force(cost, pp, before, after):
@@ -89,17 +93,17 @@ def test_a_tight_device_moves_blocks_off_the_first_stage():
     facts = step.facts()
     lay = Layout(pp=4, microbatch=2, grad_accum=8, precision="bf16", recompute="none")
     roomy = Cluster("h100", nodes=1, gpus_per_node=4)
-    balanced = slot_stages(facts, roomy, lay)[1:-1]
+    balanced = slot_stages(facts, roomy, choose(facts, roomy, lay))[1:-1]
     memory = slot_memory(facts, roomy, lay)
     first = memory.stage_bytes(0, 0, int(np.bincount(balanced)[0]), 4)
     shared = roomy.gpu.memory_bytes - memory.budget  # reserve, buffers, transient
     assert first == max(memory.stage_bytes(k, *np.searchsorted(balanced, [k, k + 1]), 4) for k in range(4))
     tight = Cluster("h100", nodes=1, gpus_per_node=4,
                     gpu=dataclasses.replace(roomy.gpu, memory_bytes=shared + 0.95 * first))
-    cut = slot_stages(facts, tight, lay)[1:-1]
+    cut = slot_stages(facts, tight, choose(facts, tight, lay))[1:-1]
     assert not slot_memory(facts, tight, lay).fits(balanced, 4)  # time's cut overflows stage 0
     assert np.bincount(cut)[0] < np.bincount(balanced)[0] and len(cut) == 8
-    assert predict(facts, tight, lay).fits
+    assert priced(facts, tight, lay).fits
 
 
 def test_equal_blocks_keep_the_even_split():
@@ -117,14 +121,13 @@ def test_a_heavy_head_gets_a_short_last_stage():
     facts = step.facts()
     cluster = Cluster("h100", nodes=1, gpus_per_node=4)
     lay = Layout(pp=4, microbatch=1, grad_accum=8, precision="bf16")
-    stages = slot_stages(facts, cluster, lay)
+    chosen = choose(facts, cluster, lay)
+    stages = slot_stages(facts, cluster, chosen)
     blocks = np.bincount(stages[1:-1], minlength=4)
     assert blocks[-1] < blocks[1] and blocks.sum() == 8
-    balanced = predict(facts, cluster, lay)
+    balanced = predict(facts, cluster, chosen)
     assert balanced.time_breakdown["compute_s"] > 0
-    even_map = np.array([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])  # the even split
-    key = facts.cache.keys("chunk_map")[0]
-    facts.cache.put("chunk_map", key, (facts.cache.get("chunk_map", key, None)[0], even_map))
-    facts.cache.drop("stage_params", "chunk_map_memory")
-    even = predict(facts, cluster, lay)
+    # the even split, priced as a layout that carries it
+    even_cut = Choices(fp8=(), chunks=(0, 0, 0, 1, 1, 2, 2, 3, 3, 3), recompute=())
+    even = predict(facts, cluster, chosen.with_choices(even_cut))
     assert balanced.step_time_s < even.step_time_s
