@@ -135,6 +135,18 @@ class ParallelModule(nn.Module):
         load_full_state_dict(self, state_dict)
         self._unloaded -= set(state_dict)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model under this plan: the total
+        norm of every gradient as one device computes it (each element once, across pipeline
+        stages, experts, shards and replicas), the gradients scaled by min(1, max_norm /
+        norm); returns the norm. Collective: every rank calls it
+        (`autopar.execution.grad_norm`). Torch's own function over ``pm.parameters()`` sees
+        this rank's tensors only: a stage's or an expert rank's norm under pp or ep."""
+        from autopar.execution.grad_norm import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
     def forward(self, *batch: torch.Tensor, **named: torch.Tensor):
         """The loss of the whole (global) batch, in the module's output structure beside its
         other outputs (this rank's slice's); ``loss.backward()`` fills the gradients.
