@@ -204,7 +204,7 @@ def _rewrite(graph: fx.Graph, inst: _Instance, group: AxisGroup) -> tuple[list[s
     for k, w in inst.weights.items():
         stored[k] = _stored_parts(w, inst.path, E)
         with graph.inserting_before(first_reader(w, body)):
-            mine = _node(graph, aten.stack.default, (stored[k][r * m:r * m + m],), fwd_meta,
+            mine = _node(graph, aten.stack.default, ([s.read for s in stored[k][r * m:r * m + m]],), fwd_meta,
                          f"{words}: their weights (the only experts this rank stores)")
             reps = [n] + [1] * (w.meta["val"].dim() - 1)
             local_w[k] = _node(graph, aten.repeat.default, (mine, reps), fwd_meta)
@@ -246,16 +246,43 @@ def _chain(node: fx.Node) -> set[fx.Node]:
     return out
 
 
-def _stored_parts(w: fx.Node, path: str, E: int) -> list[fx.Node]:
+@dataclass
+class _Stored:
+    """One expert's part of a stacked weight: the node the stack reads, the graph input it
+    reads (a parameter), and the same-shape views between them, nearest the stack first."""
+
+    read: fx.Node
+    placeholder: fx.Node
+    views: list[fx.Node]
+
+
+# ops that only re-view a tensor whole (a DTensor trace views each parameter's local tensor)
+_WHOLE_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.detach.default)
+
+
+def _stored(read: fx.Node) -> _Stored | None:
+    """``read`` as one parameter's part of a stack, or None where it is anything else."""
+    node, views = read, []
+    while node.op == "call_function" and node.target in _WHOLE_VIEWS and len(node.users) == 1 \
+            and isinstance(node.args[0], fx.Node) \
+            and node.args[0].meta["val"].shape == node.meta["val"].shape:
+        views.append(node)
+        node = node.args[0]
+    if node.op != "placeholder" or len(node.users) != 1 or (not views and len(read.users) != 1):
+        return None
+    return _Stored(read, node, views)
+
+
+def _stored_parts(w: fx.Node, path: str, E: int) -> list[_Stored]:
     """The E graph inputs (one per expert) the stacked weight ``w`` is made of."""
     parts = list(w.args[0]) if w.op == "call_function" and w.target is aten.stack.default else []
-    if len(parts) != E or any(p.op != "placeholder" or len(p.users) != 1 for p in parts) \
-            or w.args[1:] not in ((), (0,)):
+    found = [_stored(p) for p in parts]
+    if len(parts) != E or any(f is None for f in found) or w.args[1:] not in ((), (0,)):
         raise ExpertParallelError(
             f"{path}: a stacked weight of the grouped experts is not a stack of one parameter per "
             "expert read nowhere else, so the ranks cannot each store only their experts: use ep=1 "
             "for this model")
-    return parts
+    return found
 
 
 def _local_grad(graph: fx.Graph, dw: fx.Node, n: int, m: int, meta: dict, reason: str) -> fx.Node:
@@ -301,10 +328,13 @@ def _drop_others(graph: fx.Graph, inst: _Instance, stored: dict[int, list[fx.Nod
     for k, w in inst.weights.items():
         if not w.users:
             graph.erase_node(w)
-        for e, p in enumerate(stored[k]):
+        for e, s in enumerate(stored[k]):
+            p = s.placeholder
             if r * m <= e < r * m + m:
                 kept.append(p.name)
-            elif not p.users:
+            elif not s.read.users:
+                for view in s.views:
+                    graph.erase_node(view)
                 dropped.append(p.name)
                 graph.erase_node(p)
             else:

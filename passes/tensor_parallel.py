@@ -50,12 +50,15 @@ from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from passes.expert_parallel import GROUP, RESULT, ROLE
 from passes.grouped_matmul import is_grouped_backward, is_grouped_forward, is_grouped_weight_grad
 from vocab.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 
 aten = torch.ops.aten
 
 # Ops through which a partial sum stays a partial sum: sum_i f(x_i) = f(sum_i x_i).
+# node tags the retrace must keep: the grouped experts' (`passes.expert_parallel`), which runs after
+KEPT_META = (GROUP, ROLE, RESULT)
 _KEEPS_PARTIAL = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
     aten.t.default, aten.permute.default, aten.clone.default, aten._to_copy.default,
@@ -136,6 +139,7 @@ def apply_tensor_parallel(
                           {i: param_placements.get(n, Replicate()) for i, n in grad_outputs.items()},
                           signature.loss_index, plan.replicated_ops)
 
+    _carry_tags(gm)
     dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
     examples = [torch.empty(s, dtype=d) for s, d in zip(local_shapes, dtypes)]
     # vocab-sharded logits: log-softmax and the loss run sharded (Megatron's parallel cross-entropy)
@@ -143,6 +147,7 @@ def apply_tensor_parallel(
         traced = make_fx(interp.run, tracing_mode="fake")(*examples)
     for node in traced.graph.nodes:
         custom = node.meta.get("custom", {})
+        node.meta.update(custom.get("autopar_meta", {}))  # `_carry_tags`
         reason = custom.get("autopar")
         if reason and str(node.target).startswith(_COLLECTIVE_PREFIX):
             node.meta["autopar"] = reason
@@ -153,6 +158,16 @@ def apply_tensor_parallel(
     traced.recompile()
     named = {name: tuple(s) for (kind, name), s in zip(inputs, local_shapes) if kind == "param"}
     return TensorParallelGraph(traced, named, sorted(interp.fallback_ops))
+
+
+def _carry_tags(gm: fx.GraphModule) -> None:
+    """Copy the tags of `KEPT_META` into ``meta["custom"]``, which the retrace under
+    ``preserve_node_meta`` gives every node it makes from a tagged node; they are restored
+    from it after the trace (expert parallelism finds its grouped experts by them)."""
+    for node in gm.graph.nodes:
+        tags = {k: node.meta[k] for k in KEPT_META if k in node.meta}
+        if tags:
+            node.meta["custom"] = {**node.meta.get("custom", {}), "autopar_meta": tags}
 
 
 def _refuse_fp8_moves(traced: fx.GraphModule) -> None:

@@ -312,14 +312,14 @@ def unsupported_decisions(layout: Layout) -> list[str]:
                        + " (cp runs with data parallelism, ZeRO, TP with or without SP, and pipelines only)")
     if layout.ep > 1:
         # the experts over ep consecutive dp ranks with all-to-alls (passes/expert_parallel.py),
-        # with DP and ZeRO 0-3; not yet composed with these
+        # with DP, ZeRO 0-3 and TP (TP inside each expert, with or without SP); not yet
+        # composed with these
         with_ep = [what for what, on in (
-            (f"tensor parallelism (tp={layout.tp})", layout.tp > 1),
             (f"pipelines (pp={layout.pp})", layout.pp > 1),
             (f"context parallelism (cp={layout.cp})", layout.cp > 1),
             (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8")) if on]
         if with_ep:
             out.append(f"expert parallelism (ep={layout.ep}) with " + ", ".join(with_ep)
-                       + " (ep runs with data parallelism and ZeRO only)")
+                       + " (ep runs with data parallelism, ZeRO and tensor parallelism only)")
     # recompute "selective" and "full" run (passes/recompute.py), FP8 matmuls too (passes/fp8.py)
     return out

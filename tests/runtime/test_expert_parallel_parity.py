@@ -8,7 +8,9 @@ weighted by its renormalised top-2 gate, results stacked along dim -2), each und
 some labels with -100), with ZeRO and gradient accumulation, and the solver's own plan for the
 zoo Mixtral (on a fixed CPU profile it picks ep2). 2 ranks (ep2 x dp2 in one group)
 in the default suite; 4 ranks (ep2 in two groups of dp4, whose experts' owners are 2 ranks
-over which ZeRO 1-3 shard them, also with full recompute, and ep4) under ``slow``. The rank's graph holds the all-to-alls
+over which ZeRO 1-3 shard them, also with full recompute, and ep4; and ep2 x tp2, with and
+without SP, with ZeRO-1 and ZeRO-3: TP shards each expert, each TP rank dispatching its tokens
+to the ep ranks of its own TP index) under ``slow``. The rank's graph holds the all-to-alls
 (`dump_graph` names them).
 
 Each rank stores only its E/ep experts (`_storage`): its expert parameters are 1/ep of them,
@@ -93,9 +95,9 @@ def _cases():
     }
 
 
-def _storage(pm, ref, label, ep: int, dp: int) -> list[tuple]:
-    """The rank holds 1/ep of the experts' parameters, on their owners' mesh of dp/ep ranks;
-    the ranks' names together are the model's."""
+def _storage(pm, ref, label, ep: int, dp: int, tp: int = 1) -> list[tuple]:
+    """The rank holds 1/ep of the experts' parameters, on their owners' mesh of dp/ep ranks
+    (x tp: TP shards each expert); the ranks' names together are the model's."""
     import torch.distributed as dist
 
     failures = []
@@ -105,8 +107,8 @@ def _storage(pm, ref, label, ep: int, dp: int) -> list[tuple]:
     if len(held) * ep != len(experts):
         failures.append((*label, f"holds {len(held)} of {len(experts)} expert parameters, not 1/{ep}"))
     meshes = {p.device_mesh.size() for n, p in pm.named_parameters() if n in held}
-    if meshes != {dp // ep}:
-        failures.append((*label, f"experts on meshes of {meshes} ranks, not their {dp // ep} owners"))
+    if meshes != {dp // ep * tp}:
+        failures.append((*label, f"experts on meshes of {meshes} ranks, not their {dp // ep} owners x tp{tp}"))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(mine))
     if set().union(*map(set, everyone)) != {n for n, _ in ref.named_parameters()}:
@@ -198,7 +200,8 @@ def _worker(rank: int, world: int, runs: list[tuple], path: str | None = None,
             pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees),
                                      loss_fn=loss_fn)
         label = (name, pm.plan.layout.short(), "masked smoothed CE" if smoothed else "mean CE")
-        failures += contract(pm, label)
+        # label smoothing's sum over a vocabulary split by TP runs replicated (the plan says so)
+        failures += contract(pm, label, ("aten.sum",) if smoothed and degrees.get("tp", 1) > 1 else ())
         dump = pm.dump_graph()
         if dump.count("all_to_all_single") < 4 * 2 or "EP over" not in dump:
             failures.append((*label, "dump_graph shows no all-to-alls with their decision"))
@@ -207,7 +210,7 @@ def _worker(rank: int, world: int, runs: list[tuple], path: str | None = None,
         else:
             def ref_fn(ids, labels, ref=ref):
                 return masked_smoothed(ref(ids), labels)
-        failures += _storage(pm, ref, label, degrees["ep"], degrees["dp"])
+        failures += _storage(pm, ref, label, degrees["ep"], degrees["dp"], degrees.get("tp", 1))
         failures += train_and_compare(pm, _Ref(ref, ref_fn), batch, label, steps=2, optimizers=(sgd,))
         saved = f"{path}/{i}" if path and i == 0 else None
         problems, whole = _whole_state(pm, ref, label, saved)
@@ -248,6 +251,10 @@ def test_ep_on_four_ranks_matches_one_device(tmp_path):
             ("tiny-mixtral", {"dp": 4, "ep": 2, "zero": 2}, True),
             ("tiny-mixtral", {"dp": 4, "ep": 4, "zero": 3}, True),
             ("top2-moe", {"dp": 4, "ep": 4}, True),
-            ("top2-moe", {"dp": 4, "ep": 2, "zero": 1, "grad_accum": 2}, False)]
+            ("top2-moe", {"dp": 4, "ep": 2, "zero": 1, "grad_accum": 2}, False),
+            # ep x tp: TP inside each expert, the tokens dispatched to the ep ranks of each TP index
+            ("tiny-mixtral", {"dp": 2, "tp": 2, "ep": 2}, False),
+            ("top2-moe", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 1}, True),
+            ("tiny-mixtral", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 3}, True)]
     reload = {"dp": 4, "zero": 1}  # the ep2 x ZeRO-3 checkpoint loaded without ep
     assert spawn(_worker, 4, (runs, str(tmp_path), reload), timeout_s=1500) == [[], [], [], []]
