@@ -56,9 +56,9 @@ from vocab.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
 
 aten = torch.ops.aten
 
-# Ops through which a partial sum stays a partial sum: sum_i f(x_i) = f(sum_i x_i).
 # node tags the retrace must keep: the grouped experts' (`passes.expert_parallel`), which runs after
 KEPT_META = (GROUP, ROLE, RESULT)
+# Ops through which a partial sum stays a partial sum: sum_i f(x_i) = f(sum_i x_i).
 _KEEPS_PARTIAL = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
     aten.t.default, aten.permute.default, aten.clone.default, aten._to_copy.default,

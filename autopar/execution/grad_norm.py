@@ -38,12 +38,11 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0,
     # every parameter, gradient or not: the same list on every call, so that the ranks find
     # their shards' owners together, once
     owned = _owned(pm, [_shard_key(n, p) for n, p in params])
-    named = [(n, p) for (n, p), mine in zip(params, owned) if p.grad is not None]
-    mine = {n for (n, p), m in zip(params, owned) if m}
+    grads = [p.grad for _, p in params if p.grad is not None]
     device = params[0][1].device if params else torch.device("cpu")
     local = torch.zeros((), dtype=torch.float64, device=device)
-    for name, p in named:
-        if name not in mine:
+    for (_, p), own in zip(params, owned):
+        if not own or p.grad is None:
             continue
         g = _local(p.grad).detach().to(torch.float64)
         local = torch.maximum(local, g.abs().max()) if math.isinf(p_) else local + g.abs().pow(p_).sum()
@@ -55,8 +54,8 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0,
                            f"({total.item()}): clip_grad_norm_ cannot scale them; fix: find the "
                            "step that overflowed, or pass error_if_nonfinite=False")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for _, p in named:
-        g = _local(p.grad)
+    for grad in grads:
+        g = _local(grad)
         g.mul_(coef.to(g.dtype))
     return total.to(torch.float32)
 

@@ -29,7 +29,13 @@ from autopar.search.recompute_choice import choose_recompute
 from cost import Cluster, Layout
 from cost.step import StepFacts, check_layout
 from cost.terms.common import resolved
-from cost.terms.compute import fp8_candidates, node_times, slot_memory, times_key, virtual_stages
+from cost.terms.compute import (
+    fp8_candidate_groups,
+    node_times,
+    slot_memory,
+    times_key,
+    virtual_stages,
+)
 from vocab.choices import Choices
 from vocab.plan_types import fp8_group
 
@@ -73,7 +79,7 @@ def choose_fp8(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple[str,
         return ()  # no FP8 tensor cores (A100): nothing to gain
 
     def build() -> tuple[str, ...]:
-        groups = sorted({fp8_group(w) for w in facts.nodes.fp8_weight[fp8_candidates(facts, layout)]})
+        groups = fp8_candidate_groups(facts, layout)
         if not groups:
             return ()
         high = node_times(facts, cluster, layout.replace(fp8="none"))

@@ -164,8 +164,13 @@ def fp8_groups(facts: StepFacts, layout: Layout) -> tuple[str, ...]:
     if layout.fp8 == "none":
         return ()
     if layout.fp8 == "all":
-        return tuple(sorted({fp8_group(w) for w in facts.nodes.fp8_weight[fp8_candidates(facts, layout)]}))
+        return fp8_candidate_groups(facts, layout)
     return tuple(layout.fp8)
+
+
+def fp8_candidate_groups(facts: StepFacts, layout: Layout) -> tuple[str, ...]:
+    """The weight groups (`fp8_group`) of the layout's FP8 candidates, sorted."""
+    return tuple(sorted({fp8_group(w) for w in facts.nodes.fp8_weight[fp8_candidates(facts, layout)]}))
 
 
 def _chosen_fp8(layout: Layout) -> tuple[str, ...]:
