@@ -81,6 +81,7 @@ from passes.tensor_parallel import (
     _failure,
     _Interpreter,
     _placed,
+    _refuse_fp8_moves,
     _register_cpu_attention,
     _tree_wrap,
     _why,
@@ -271,6 +272,7 @@ def apply_context_parallel(gm: fx.GraphModule, signature: GraphSignature,
             else:
                 gathered.append((str(node.target), node.meta["autopar"]))
     traced.graph.eliminate_dead_code()
+    _refuse_fp8_moves(traced, "cp", ContextParallelError)
     traced.recompile()
     return ContextParallelGraph(traced, gathered, runner.rings)
 
@@ -279,6 +281,7 @@ def _cp_words(text: str) -> str:
     """The TP interpreter's words for its redistributions, said of the cp axis."""
     return text.replace("TP: ", "CP: ").replace("TP ranks", "CP ranks").replace("use tp=1", "use cp=1") \
         .replace("TP placements", "CP placements").replace("use sp=0, or cp=1", "use cp=1") \
+        .replace("over the TP shards", "over the CP ranks") \
         .replace("or keep the weights that feed this op replicated",
                  "or compute this op on values that do not depend on the split sequence")
 
@@ -434,6 +437,10 @@ class _Runner:
             out = self._index_put_partial(node, env) if _accumulates(node) else self._index_put_local(node, env)
             if out is not None:
                 return out
+        if node.target is aten._scaled_mm.default:
+            out = self._scaled_mm_local(node, env)
+            if out is not None:
+                return out
         _refuse_mean_loss(node, env, self.mesh.size())
         return self._tp_call(node, env)
 
@@ -470,6 +477,58 @@ class _Runner:
                           **fx.node.map_arg(node.kwargs, local.__getitem__))
         if not isinstance(out, torch.Tensor):
             return None
+        return DTensor.from_local(out, self.mesh, want, run_check=False, shape=val.shape, stride=val.stride())
+
+    def _scaled_mm_local(self, node: fx.Node, env):
+        """An FP8 matmul (passes/fp8.py) on the rank's tokens, its scales global (their amaxes
+        reduced over cp): A's rows split (tokens along M: the forward, the input gradient) give
+        the rank's rows of C, B's columns split its columns; A's columns and B's rows split
+        alike (tokens along K: the weight gradient) give a partial sum over cp,
+        sum_r (A8_r / s_A)(B8_r / s_B) = (A8 / s_A)(B8 / s_B). Neither DTensor's own rule nor
+        TP's (`Shard` only) takes tokens flattened from [b, s] (a `_StridedShard`), and
+        DTensor's shards a rowwise [M, 1] scale along a K split: both would gather the FP8
+        operands, which gloo cannot move. None where the operands fit none of these (DTensor's
+        rule)."""
+        args = dict(zip(("a", "b", "scale_a", "scale_b", "bias", "scale_result"), node.args))
+        if any(args.get(k, node.kwargs.get(k)) is not None for k in ("bias", "scale_result")):
+            return None
+        a, b, scale_a, scale_b = (env[args[k]] for k in ("a", "b", "scale_a", "scale_b"))
+        if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or any(
+                isinstance(v, DTensor) and any(p.is_partial() for p in v.placements) for v in (a, b, scale_a, scale_b)):
+            return None
+        pa = a.placements[0] if _token_split(a) else None
+        pb = b.placements[0] if _token_split(b) else None
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        scales = {args["scale_a"]: scale_a, args["scale_b"]: scale_b}
+        if pa is not None and pa.dim == 0 and pb is None:  # rows of A: the rank's rows of C
+            want, along = list(a.placements), (args["scale_a"], 0)
+        elif pb is not None and pb.dim == 1 and pa is None:  # columns of B: the rank's columns
+            want, along = list(b.placements), (args["scale_b"], 1)
+        elif pa is not None and pb is not None and (pa.dim, pb.dim) == (1, 0) and type(pa) is type(pb) \
+                and getattr(pa, "split_factor", 1) == getattr(pb, "split_factor", 1):
+            want, along = [Partial()], None  # tokens along K: scales of M and N alone
+        else:
+            return None
+        local = {args["a"]: a.to_local(), args["b"]: b.to_local()}
+        for arg, scale in scales.items():
+            if not isinstance(scale, DTensor):
+                local[arg] = scale
+            elif along and arg is along[0] and scale.ndim == 2 and scale.shape[along[1]] > 1:
+                # a rowwise scale follows A's rows (B's columns): the rank's part of it
+                if list(scale.placements) == [Replicate()]:
+                    with _why(f"CP: this rank's tokens of the FP8 scale {arg} (a local slice)"):
+                        scale = scale.redistribute(self.mesh, want)
+                if list(scale.placements) != want:
+                    return None
+                local[arg] = scale.to_local()
+            elif list(scale.placements) == [Replicate()]:
+                local[arg] = scale.to_local()
+            else:
+                return None
+        out = node.target(*fx.node.map_arg(node.args, local.__getitem__),
+                          **fx.node.map_arg(node.kwargs, local.__getitem__))
         return DTensor.from_local(out, self.mesh, want, run_check=False, shape=val.shape, stride=val.stride())
 
     def _tp_collective(self, node: fx.Node, env):

@@ -25,7 +25,9 @@ computes what a single-device FP8 step does (the same casts and the same scales)
 - over DP, `reduce_scales` all-reduces (max) every amax that reduces over tokens (the
   tensorwise scales of activations and gradients; under rowwise scales, the weight gradient's
   operands, whose amax runs along M): each DP rank holds other tokens. Weights are whole (or
-  ZeRO-3-gathered) on every DP rank: their scales need nothing.
+  ZeRO-3-gathered) on every DP rank: their scales need nothing;
+- under CP the context-parallel pass runs these ops on DTensors over cp, as TP does: an amax
+  over the rank's tokens comes out a Partial(max), all-reduced (max) over cp.
 
 With gradient accumulation a scale is its micro-batch's, as on one device running the same
 micro-batches. Every node the pass adds carries ``meta["autopar"]``: the decision behind it.

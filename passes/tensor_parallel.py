@@ -170,18 +170,19 @@ def _carry_tags(gm: fx.GraphModule) -> None:
             node.meta["custom"] = {**node.meta.get("custom", {}), "autopar_meta": tags}
 
 
-def _refuse_fp8_moves(traced: fx.GraphModule) -> None:
+def _refuse_fp8_moves(traced: fx.GraphModule, axis: str = "tp", error: type[Exception] = ValueError) -> None:
     """FP8 data never crosses ranks: a collective on it means DTensor gathers an FP8 matmul's
-    operand (no sharding rule for its placements), and gloo cannot move FP8 at all."""
+    operand (no sharding rule for its placements), and gloo cannot move FP8 at all (its
+    "Invalid scalar type" at run time would not say which matmul)."""
     for node in traced.graph.nodes:
         if not str(node.target).startswith(_COLLECTIVE_PREFIX) or not node.args:
             continue
         val = getattr(node.args[0], "meta", {}).get("val")
         if isinstance(val, torch.Tensor) and val.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(
-                f"TP would move FP8 data ({node.args[0]}: {node.meta.get('autopar', '')}); the FP8 "
-                "matmul reading it has no sharding rule for its operands' placements. Run its weight "
-                "in high precision (leave it out of Layout.fp8) or use tp=1")
+            raise error(
+                f"{axis.upper()} would move FP8 data ({node.args[0]}: {node.meta.get('autopar', '')}); the "
+                "FP8 matmul reading it has no sharding rule for its operands' placements. Run its weight "
+                f"in high precision (leave it out of Layout.fp8) or use {axis}=1")
 
 
 def _local_shape(shape, placement, t: int) -> tuple[int, ...]:

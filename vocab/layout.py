@@ -299,17 +299,13 @@ def unsupported_decisions(layout: Layout) -> list[str]:
         if layout.zero >= 2:
             out.append(f"ZeRO-{layout.zero} inside a pipeline (pp={layout.pp}; runs: ZeRO-0 and 1, "
                        "the gradients reduced once after the schedule)")
-    if layout.cp > 1:
-        # the sequence split over cp with ring attention (passes/context_parallel.py), with DP,
-        # ZeRO 1-3 (sharded over the dp x cp ranks, as the cost model prices it), TP (ring
-        # attention on the rank's heads), TP+SP (SP splits the CP rank's sequence over tp:
-        # passes/cp_sequence_parallel.py), pipelines (gradients all-reduced over cp in the
-        # graph; ZeRO-1's rows over the dp x cp ranks) and recompute; not yet composed with FP8
-        with_cp = [what for what, on in (
-            (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8"),) if on]
-        if with_cp:
-            out.append(f"context parallelism (cp={layout.cp}) with " + ", ".join(with_cp)
-                       + " (cp runs with data parallelism, ZeRO, TP with or without SP, and pipelines only)")
+    # cp > 1: the sequence split over cp with ring attention (passes/context_parallel.py), with
+    # DP, ZeRO 1-3 (sharded over the dp x cp ranks, as the cost model prices it), TP (ring
+    # attention on the rank's heads), TP+SP (SP splits the CP rank's sequence over tp:
+    # passes/cp_sequence_parallel.py), pipelines (gradients all-reduced over cp in the graph;
+    # ZeRO-1's rows over the dp x cp ranks), recompute and FP8 matmuls (the FP8 matmuls run on
+    # the rank's tokens, a weight gradient as a partial sum over cp; an amax over tokens is
+    # all-reduced (max) over cp, then over dp: global scales, as on one device)
     if layout.ep > 1:
         # the experts over ep consecutive dp ranks with all-to-alls (passes/expert_parallel.py),
         # with DP, ZeRO 0-3 and TP (TP inside each expert, with or without SP); not yet

@@ -23,6 +23,7 @@ from autopar.execution.rewrite import _signature, captured_signature
 from autopar.strategies.tp_recipe import find_tp_recipe
 from passes.context_parallel import apply_context_parallel
 from passes.data_parallel import apply_data_parallel
+from passes.fp8 import RECIPES, SCALE_TAG, apply_fp8, group_of, weight_matmuls
 from passes.tensor_parallel import apply_tensor_parallel
 from runtime import ring_attention  # noqa: F401  (registers the ring ops)
 from runtime.mesh import fake_world
@@ -181,8 +182,38 @@ def test_what_cp_runs_with_and_what_it_refuses():
     assert unsupported_decisions(Layout(cp=2, pp=2, zero=1, grad_accum=2)) == []
     (words,) = unsupported_decisions(Layout(cp=2, pp=2, zero=2, grad_accum=2))  # as without cp
     assert "ZeRO-2 inside a pipeline" in words
-    (words,) = unsupported_decisions(Layout(cp=2, fp8="all"))
-    assert "FP8" in words and "cp=2" in words
+    assert unsupported_decisions(Layout(cp=2, dp=2, fp8="all", fp8_recipe="rowwise")) == []
+    assert unsupported_decisions(Layout(cp=2, tp=2, sp=True, precision="fp8")) == []
+
+
+@pytest.mark.parametrize("recipe, tp", [("rowwise", 1), ("rowwise", 2)])
+def test_cp_runs_fp8_matmuls_on_the_rank_tokens(recipe, tp):
+    """Every weight matmul in FP8 under cp (after TP where tp=2): nothing gathered (the pass
+    refuses a collective on FP8 data: gloo cannot move it), the weight gradients (tokens along
+    K, a `_StridedShard` over cp) partial sums, and each amax over tokens all-reduced (max)
+    over cp before its scale, exactly those."""
+    model, batch = _model("tiny-llama")
+    graph = capture(model, batch)
+    sig = captured_signature(graph)
+    apply_fp8(graph.gm, sig, sorted({group_of(w) for w in weight_matmuls(graph.gm, sig)}), RECIPES[recipe])
+    over_tokens = sum(1 for n in graph.gm.graph.nodes if n.meta.get("custom", {}).get(SCALE_TAG, {}).get("over_tokens"))
+    tp_recipe = find_tp_recipe(graph, analyze(graph))
+    placements = {p: (AxisPlacement.shard(d) if (d := tp_recipe.param_shard_dim(p)) is not None
+                      else AxisPlacement.replicate()) for p in graph.param_names}
+    with fake_world(2 * tp):
+        mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("cp", "tp"))
+        gm = graph.gm
+        if tp > 1:
+            gm = apply_tensor_parallel(gm, sig, _holders(gm), TensorParallelPlan(placements), mesh["tp"]).gm
+        out = apply_context_parallel(gm, sig, _holders(gm), mesh["cp"], reduce_grads=False)
+        cp_group = mesh["cp"].get_group().group_name
+    ops = _ops(out.gm)
+    assert not any("all_gather" in op or "all_to_all" in op for op in ops), ops
+    assert ops["aten._scaled_mm.default"] == _ops(graph.gm)["aten._scaled_mm.default"] > 0
+    maxes = [n for n in out.gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+             and n.args[1:3] == ("max", cp_group)]
+    assert over_tokens and len(maxes) == over_tokens
+    assert all("over the CP ranks (an FP8 scale)" in n.meta["autopar"] for n in maxes)
 
 
 def test_dp_cp_mesh_of_a_pipeline():

@@ -25,7 +25,8 @@ matmul rule for it: DTensor would gather its FP8 operands): the plan leaves it o
 ``plan.fp8`` and the reference follows the plan.
 
 Scales are global: a TP-sharded amax is all-reduced (max) over TP, an amax over tokens over
-DP. `test_local_dp_scales_would_be_caught` runs DP without the DP reduction: the check fails.
+DP and CP. `test_local_dp_scales_would_be_caught` runs DP without the DP reduction, and
+`test_local_cp_scales_would_be_caught` CP without the CP one: the check fails.
 """
 
 import copy
@@ -51,6 +52,15 @@ CASES = {
     "4": [("tiny-llama", "tensorwise", {"dp": 4, "zero": 3}), ("tiny-llama", "tensorwise", {"dp": 2, "tp": 2, "sp": True}),
           ("tiny-gpt2", "tensorwise", {"dp": 4}), ("plain", "rowwise", {"dp": 4}),
           ("tiny-llama", "rowwise", {"pp": 2, "dp": 2, "grad_accum": 1})],
+    # context parallelism: the FP8 matmuls on the rank's tokens (a weight gradient, tokens along
+    # K, a partial sum over cp), amaxes over tokens reduced over cp (and dp). Rowwise (e4m3
+    # gradients) on "tokens", a model without attention: ring attention sums in another order
+    # than one device, and one ulp there flips e4m3 casts (tiny-llama rowwise cp2 at seeds 0-2;
+    # one device with one-ulp noise on its attention output flips the same gradients)
+    "2 cp": [("tiny-llama", "tensorwise", {"cp": 2}), ("tokens", "rowwise", {"cp": 2}),
+             ("tokens", "rowwise", {"cp": 2, "cp_balance": False, "recompute": "full"})],
+    "4 cp": [("tiny-llama", "tensorwise", {"dp": 2, "cp": 2}), ("tokens", "rowwise", {"dp": 2, "cp": 2, "zero": 3}),
+             ("tiny-llama", "tensorwise", {"cp": 2, "tp": 2, "sp": True})],
 }
 
 
@@ -72,6 +82,20 @@ def _model(name):
 
         torch.manual_seed(0)
         return Plain(), (torch.randn(8, 5, 12), torch.randn(8, 5, 6))
+    if name == "tokens":
+        class Tokens(nn.Module):  # a language model without attention: every op per token
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(64, 32)
+                self.up, self.down, self.head = nn.Linear(32, 96), nn.Linear(96, 32), nn.Linear(32, 64, bias=False)
+
+            def forward(self, ids, labels):
+                h = self.embed(ids)
+                h = h + self.down(torch.nn.functional.silu(self.up(h)))
+                return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+        torch.manual_seed(0)
+        return Tokens(), (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
     if name.startswith("hf-"):
         import hf_tiny
         return hf_tiny.build(name[3:]), hf_tiny.batch(size=8)
@@ -118,7 +142,9 @@ def _steps_from_one_state(pm, ref, batch, label, make, steps: int = 2) -> list[t
 
 
 @pytest.mark.parametrize("cases", ["2", pytest.param("2 more", marks=pytest.mark.slow),
-                                   pytest.param("4", marks=pytest.mark.slow)])
+                                   pytest.param("4", marks=pytest.mark.slow),
+                                   pytest.param("2 cp", marks=pytest.mark.slow, id="cp2"),
+                                   pytest.param("4 cp", marks=pytest.mark.slow, id="cp4")])
 def test_parallel_fp8_matches_single_device_fp8(cases):
     world = int(cases.split()[0])
     assert spawn(_worker, world, args=(CASES[cases],), timeout_s=900) == [[]] * world
@@ -136,3 +162,26 @@ def test_local_dp_scales_would_be_caught():
     # the parity check is not blind to the scales: without the DP amax all-reduce it fails
     failures = spawn(_local_scales_worker, 2, timeout_s=600)
     assert all(any("grad" in str(f) or "loss" in str(f) for f in rank) for rank in failures)
+
+
+def _local_cp_scales_worker(rank: int, world: int) -> list[tuple]:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from passes.tensor_parallel import _Interpreter
+
+    reduced = _Interpreter._reduced
+
+    def local_amax(self, x, arg_node, before):  # each CP rank scales by its own tokens' amax
+        if any(p.is_partial() and p.reduce_op == "max" for p in x.placements):
+            return DTensor.from_local(x.to_local(), x.device_mesh, [Replicate()], run_check=False)
+        return reduced(self, x, arg_node, before)
+
+    _Interpreter._reduced = local_amax
+    return _worker(rank, world, [("tiny-llama", "tensorwise", {"cp": 2}), ("tokens", "rowwise", {"cp": 2})])
+
+
+@pytest.mark.slow
+def test_local_cp_scales_would_be_caught():
+    # nor blind to the amaxes over cp: each CP rank's own amax fails both cases
+    for rank in spawn(_local_cp_scales_worker, 2, timeout_s=600):
+        assert {f[0] for f in rank if "grad" in str(f) or "loss" in str(f)} == {"tiny-llama", "tokens"}

@@ -137,7 +137,6 @@ def _errors_worker(rank: int, world: int) -> list[str]:
     except (autopar.InputError, autopar.LayoutError) as exc:
         seen.append("accum" if "micro-batches" in str(exc) or "grad_accum" in str(exc) else str(exc))
     for bad, word in ((dict(pp=world, grad_accum=4, zero=3), "ZeRO-3 inside a pipeline"),
-                      (dict(cp=world, fp8="all"), "context parallelism (cp=2) with FP8"),
                       (dict(dp=world, precision="bf16"), "model's dtype")):
         try:
             parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**bad))
@@ -191,7 +190,7 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 def test_bad_input_and_dump_graph():
     results = spawn(_errors_worker, 2, timeout_s=300)
     seen = results[0]
-    assert seen[:7] == ["mesh", "batch", "accum"] + ["refused"] * 3 + ["model"]
+    assert seen[:6] == ["mesh", "batch", "accum"] + ["refused"] * 2 + ["model"]
     assert "uncommented collective" not in seen
     gathers, reductions, groups = seen[-4]
     assert gathers == groups  # tiny-llama: every weight's first dim divides by 2
