@@ -70,6 +70,11 @@ class NodeTable:
     # the recompute's price; `autopar.search.facts` reads it off the pass's own marking)
     rerun_selective: np.ndarray
     rerun_full: np.ndarray
+    # experts stacked in one parameter (`passes.expert_parallel_stacked`): the node runs on the
+    # ep group's gathered rows under ep (x ep), or is a grouped matmul on the rank's experts'
+    # routed rows (``routed``: as many as the busiest rank's, `cost.routing.imbalance`)
+    ep_rows: np.ndarray
+    routed: np.ndarray
     # column g (shape nodes x groups): copied under "selective" + heavy group g
     # (`StepFacts.recompute_groups`)
     rerun_groups: np.ndarray
@@ -106,6 +111,7 @@ class SavedTable:
     batch_dep: np.ndarray
     tp_div: np.ndarray  # sharded t ways under TP
     sp_div: np.ndarray  # replicated but sequence-sharded under SP
+    ep_rows: np.ndarray  # holds the ep group's routed rows under ep (stacked experts): x ep
     layer: np.ndarray  # block index (-1 / L outside the blocks)
     heavy: np.ndarray  # produced by a matmul or attention
     kept_none: np.ndarray  # saved for the backward without recompute
@@ -189,6 +195,11 @@ class StepFacts:
     block_input_bytes: float  # one block's input activation for the whole batch
     # EP all-to-all: activation bytes entering + leaving the experts, per slot (-1 .. L)
     expert_io_bytes: np.ndarray
+    # experts stacked in one parameter (transformers' MoE): bytes of the routed rows entering
+    # and leaving them per slot, gathered and reduce-scattered over ep (`cost.terms.expert_parallel`)
+    expert_gather_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # the routed rows (tokens x top-k) of one MoE layer of stacked experts, whole batch
+    expert_routed_rows: float = 0.0
     tp_fallbacks: list[str] = field(default_factory=list)  # ops the TP recipe runs replicated
     # the heavy groups (matmul and attention outputs tied across blocks,
     # `passes.recompute.heavy_groups`) a partial recompute choice names, in column order
@@ -239,6 +250,8 @@ class StepFacts:
             events=self.events.rebatch(r),
             block_input_bytes=self.block_input_bytes * r,
             expert_io_bytes=self.expert_io_bytes * r,
+            expert_gather_bytes=self.expert_gather_bytes * r,
+            expert_routed_rows=self.expert_routed_rows * r,
             zb_stash_bytes=self.zb_stash_bytes * r,
         )
 

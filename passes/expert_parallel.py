@@ -99,6 +99,11 @@ def _instances(gm: fx.GraphModule) -> list[_Instance]:
     return list(found.values())
 
 
+def has_grouped_lists(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` holds a list of experts the capture grouped (`autopar.capture.experts`)."""
+    return any(GROUP in n.meta for n in gm.graph.nodes)
+
+
 def _external(body: list[fx.Node], inside: set[fx.Node]) -> set[fx.Node]:
     return {a for n in body for a in n.all_input_nodes if a not in inside}
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["dp_cp_mesh", "expert_mesh", "fake_world", "init_mesh"]
+__all__ = ["dp_cp_mesh", "expert_mesh", "fake_world", "init_mesh", "stacked_expert_mesh"]
 
 
 def init_mesh(
@@ -106,6 +106,22 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
         made = DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp // ep, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
         _EXPERT[(id(mesh), ep)] = (mesh, made)
     return _EXPERT[(id(mesh), ep)][1]
+
+
+_STACKED: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
+
+
+def stacked_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """`expert_mesh` with its "ep" axis first: ("ep", "dp", "tp"). A parameter stacking E
+    experts along dim 0 is held as ``Shard(0)`` over "ep" (rank j of an ep group holds experts
+    [j E/ep, (j+1) E/ep)), then (ZeRO) ``Shard(0)`` over its owners' "dp" axis, which DTensor
+    applies in that order: the rows of the rank's own experts. Made once per (mesh, ep), by
+    every rank in the same order."""
+    if (id(mesh), ep) not in _STACKED:
+        by_ep = expert_mesh(mesh, ep)
+        made = DeviceMesh(mesh.device_type, by_ep.mesh.transpose(0, 1), mesh_dim_names=("ep", "dp", "tp"))
+        _STACKED[(id(mesh), ep)] = (mesh, made)
+    return _STACKED[(id(mesh), ep)][1]
 
 
 @contextlib.contextmanager

@@ -90,7 +90,7 @@ from cost import Cluster, Layout
 from cost.step import check_layout
 from passes.loss_reduction import LossReduction, analyze_loss, for_layout
 from runtime.executor import RankGraph
-from runtime.mesh import dp_cp_mesh, expert_mesh
+from runtime.mesh import dp_cp_mesh, expert_mesh, stacked_expert_mesh
 from vocab.layout import unsupported_decisions
 from vocab.plan_types import GraphSignature
 
@@ -212,6 +212,7 @@ def parallelize(
     if lay.ep > 1:  # each rank stores its own experts only, on their owners' ("dp", "tp") mesh
         held = set(state.signature.placeholder_of("param"))
         meshes = dict.fromkeys(state.expert_params, expert_mesh(mesh, lay.ep)["dp", "tp"])
+        meshes.update(dict.fromkeys(state.stacked_experts, stacked_expert_mesh(mesh, lay.ep)))
     unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held, meshes)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in state.signature.placeholder_of("param") if held is None or p in held]

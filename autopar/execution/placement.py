@@ -62,7 +62,8 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
     ``held``: under a pipeline, the parameters of this rank's stage; under expert parallelism,
     all but the other ranks' experts; the others are removed from the module (their DTensors
     live on the (dp, tp) mesh of this rank's stage). ``meshes``: parameters whose DTensors live
-    on another ("dp", "tp") mesh (an expert's: "dp" is its owners' group).
+    on another ("dp", "tp") mesh (an expert's: "dp" is its owners' group), or on an ("ep", "dp",
+    "tp") one (`runtime.mesh.stacked_expert_mesh`: experts stacked in dim 0, the rank's rows).
     """
     if held is not None and mesh.ndim > 2:
         mesh = mesh["dp", "tp"]
@@ -88,8 +89,12 @@ def _to_dtensors(module: nn.Module, mesh: DeviceMesh, decisions: PlanDecisions,
                 data = p.detach()
                 tp_place = decided.placements.get("tp", AxisPlacement.replicate())
                 dp_place = decided.placements["dp"]
-                local = placed_shard(data, dp_place, tp_place, degrees, (dp_rank, tp_rank))
+                stacked = "ep" in (on.mesh_dim_names or ())  # experts stacked in dim 0: own rows first
+                rows = data.chunk(on["ep"].size(), dim=0)[on.get_local_rank("ep")] if stacked else data
+                local = placed_shard(rows, dp_place, tp_place, degrees, (dp_rank, tp_rank))
                 placements = [to_dtensor_placement(dp_place), to_dtensor_placement(tp_place)]
+                if stacked:
+                    placements.insert(0, Shard(0))
                 if local.device.type == "meta":  # only this rank's shard is ever allocated
                     local = torch.empty(local.shape, dtype=local.dtype, device=device)
                     if local.is_floating_point():

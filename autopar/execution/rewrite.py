@@ -54,7 +54,12 @@ from cost.stages import node_stages
 from passes import overlap
 from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
-from passes.expert_parallel import ExpertParallelError, apply_expert_parallel
+from passes.expert_parallel import ExpertParallelError, apply_expert_parallel, has_grouped_lists
+from passes.expert_parallel_stacked import (
+    StackedExpertError,
+    apply_stacked_expert_parallel,
+    has_stacked_experts,
+)
 from passes.fp8 import FP8_FOR, apply_fp8, reduce_scales, weight_matmuls
 from passes.fp8 import RECIPES as FP8_RECIPES
 from passes.loss_reduction import LossReduction, rewrite_denominators
@@ -63,7 +68,7 @@ from passes.recompute import apply_recompute, heavy_groups, is_backward, values_
 from passes.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from passes.token_count import weight_loss_by_seed
 from runtime import ring_attention  # noqa: F401  (registers the ring attention ops the CP pass emits)
-from runtime.mesh import dp_cp_mesh, expert_mesh
+from runtime.mesh import dp_cp_mesh, expert_mesh, stacked_expert_mesh
 from runtime.pipeline import PipelinePlan
 from vocab.layout import Layout
 from vocab.plan_types import (
@@ -121,6 +126,8 @@ class RankRewrite:
     # ep > 1: the parameters of the experts this rank stores, reduced over their owners' group
     expert_params: frozenset[str] = frozenset()
     expert_group: AxisGroup | None = None
+    # ep > 1: those of them stacked in one parameter (the rank holds its experts' rows)
+    stacked_experts: frozenset[str] = frozenset()
 
     @property
     def layout(self) -> Layout:
@@ -231,27 +238,38 @@ def _context_parallel(state: RankRewrite, lay: Layout) -> None:
 
 
 def _expert_parallel(state: RankRewrite, lay: Layout) -> None:
-    """The EP pass (`passes.expert_parallel`) over this rank's ep group (``lay.ep`` consecutive
-    ranks of its "dp" group: `runtime.mesh.expert_mesh`'s "ep" axis). The other ranks' experts'
-    parameters leave the signature; the rank's own are reduced over their owners' group (its
-    "dp" axis)."""
+    """The EP passes over this rank's ep group (``lay.ep`` consecutive ranks of its "dp" group:
+    `runtime.mesh.expert_mesh`'s "ep" axis): `passes.expert_parallel` for lists of experts (the
+    other ranks' experts' parameters leave the signature), `passes.expert_parallel_stacked` for
+    experts stacked in one parameter (the rank holds its rows of it). The rank's own experts are
+    reduced over their owners' group (its "dp" axis)."""
     mesh = expert_mesh(state.mesh, lay.ep)
     group = AxisGroup(mesh["ep"].get_group().group_name, lay.ep, mesh.get_local_rank("ep"))
+    stacked = has_stacked_experts(state.gm)
     try:
-        done = apply_expert_parallel(state.gm, group)
-    except ExpertParallelError as exc:
+        done = apply_expert_parallel(state.gm, group) if has_grouped_lists(state.gm) or not stacked else None
+        rows = apply_stacked_expert_parallel(state.gm, group) if stacked else None
+    except (ExpertParallelError, StackedExpertError) as exc:
         raise UnsupportedLayoutError(f"layout {lay.short()}: {exc}") from exc
     sig = state.signature
-    dropped = set(done.dropped)
+    dropped = set(done.dropped) if done else set()
     inputs = [i for i, node in zip(sig.inputs, sig.placeholders) if node not in dropped]
     gone = {name for (kind, name), node in zip(sig.inputs, sig.placeholders) if node in dropped}
     outs = next(n for n in state.gm.graph.nodes if n.op == "output").args[0]
     grads = {name: i for name, i in sig.grad_index.items() if name not in gone and outs[i] is not None}
     state.signature = _signature(state.gm, inputs, grads, sig.loss_index, sig.buffer_index)
     by_node = {node: name for name, node in state.signature.placeholder_of("param").items()}
-    state.expert_params = frozenset(by_node[node] for node in done.local)
+    state.expert_params = frozenset(by_node[node] for node in done.local) if done else frozenset()
+    if rows:
+        stored = {by_node[node]: experts for node, experts in rows.experts.items()}
+        for name, experts in stored.items():
+            state.shapes[name] = (experts // lay.ep, *state.shapes[name][1:])
+        state.expert_params |= frozenset(stored)
+        state.stacked_experts = frozenset(stored)
     state.expert_group = AxisGroup(mesh["dp"].get_group().group_name, lay.dp // lay.ep,
                                    mesh.get_local_rank("dp"))
+    if state.stacked_experts:
+        stacked_expert_mesh(state.mesh, lay.ep)  # made here, by every rank in the same order
 
 
 def _recompute_pass(state: RankRewrite, part: RecomputePart) -> None:

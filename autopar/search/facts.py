@@ -22,6 +22,12 @@ from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, TPRecipe, find_tp_recipe
 from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
+from passes.expert_parallel_stacked import (
+    StackedExpertError,
+    StackedExperts,
+    stacked_expert_params,
+    stacked_experts,
+)
 from passes.fp8 import cast_shares, weight_matmuls
 from passes.pipeline_split import weight_half_reads
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
@@ -37,8 +43,9 @@ _NODE_DTYPES = {
     "forward": bool, "launch": bool,
     "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
     "attention_kv_bytes": float, "attention_seq": int, "rerun_selective": bool, "rerun_full": bool,
+    "ep_rows": bool, "routed": bool,
 }
-_SAVED_DTYPES = {"name": str, "bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool,
+_SAVED_DTYPES = {"name": str, "bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool, "ep_rows": bool,
                  "layer": int, "heavy": bool, "kept_none": bool, "kept_selective": bool,
                  "kept_full": bool, "rebuilt_selective": int, "rebuilt_full": int}
 _RECOMPUTE_MODES = ("selective", "full")
@@ -112,12 +119,15 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
     tp = recipe if recipe is not None else find_tp_recipe(graph, analysis, roles)
     arrays = _node_arrays(analysis, parts, tp)
     expert_io = _expert_io(analysis, parts, tp.batch_dependent)
+    stacked, expert_gather, routed = _stacked_experts(graph, parts)
     # the nodes whose copies the recompute pass runs in the backward, per mode and heavy group
     marks, keys = parts.marks, list(parts.group_names)
     for mode in _RECOMPUTE_MODES:
         arrays[f"rerun_{mode}"] = [name in marks[mode].copied for name in arrays["name"]]
     rerun_groups = [[name in marks[g].copied for g in keys] for name in arrays["name"]]
-    saved, kept_groups, rebuilt_groups = _saved_rows(analysis, parts, tp)
+    saved, kept_groups, rebuilt_groups = _saved_rows(analysis, parts, tp, routed.saved)
+    arrays["ep_rows"] = [name in routed.rows and name not in routed.grouped for name in arrays["name"]]
+    arrays["routed"] = [name in routed.grouped for name in arrays["name"]]
     rows = len(saved["name"])
     return StepFacts(
         batch=parts.batch,
@@ -125,7 +135,8 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
         n_layers=parts.n_layers,
         heads=getattr(config, "n_heads", None),
         kv_heads=getattr(config, "n_kv_heads", None),
-        n_experts=getattr(config, "n_experts", 0) or _expert_count(graph, parts.expert_prefixes),
+        n_experts=(getattr(config, "n_experts", 0) or _expert_count(graph, parts.expert_prefixes)
+                   or max(stacked.values(), default=0)),
         total_flops=analysis.forward_flops + analysis.backward_flops,
         nodes=NodeTable(**{k: np.array(v, dtype=_NODE_DTYPES[k]) for k, v in arrays.items()},
                         rerun_groups=np.array(rerun_groups, dtype=bool).reshape(len(rerun_groups), len(keys))),
@@ -134,9 +145,11 @@ def build_step_facts(graph: TrainingGraph, analysis: GraphAnalysis, config=None,
                          rebuilt_groups=np.array(rebuilt_groups, dtype=int).reshape(rows, len(keys), 2)),
         recompute_groups=tuple(keys),
         events=_event_table(tp, parts.layer_eff),
-        params=_param_table(graph, parts, tp),
+        params=_param_table(graph, parts, tp, set(stacked)),
         block_input_bytes=_block_input_bytes(graph, analysis, tp.batch_dependent),
         expert_io_bytes=expert_io,
+        expert_gather_bytes=expert_gather,
+        expert_routed_rows=float(routed.routed),
         tp_fallbacks=sorted(tp.fallback_ops),
         zb_stash_bytes=parts.zb_stash.copy(),
         counts_tokens=parts.counts_tokens,
@@ -228,11 +241,12 @@ def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarr
     return expert_io
 
 
-def _saved_rows(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe
+def _saved_rows(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe, ep_rows: set[str]
                 ) -> tuple[dict[str, list], list, list]:
     """The columns of `SavedTable`: the rows are the values saved without recompute, then the
     values only a recompute mode keeps (the roots of its chains) or rebuilds (its working set
-    in the backward); each heavy group adds the columns of "selective" + that group."""
+    in the backward); each heavy group adds the columns of "selective" + that group.
+    ``ep_rows``: values holding the ep group's rows under ep (stacked experts)."""
     bd, marks, keys = tp.batch_dependent, parts.marks, list(parts.group_names)
     rows = dict(parts.saved_values)
     for mark in marks.values():
@@ -256,6 +270,7 @@ def _saved_rows(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe
         saved["tp_div"].append(state == "S")
         # a saved partial sum is stored after its reduction: replicated, or sequence-sharded
         saved["sp_div"].append(state in ("R", "P") and node_bd)
+        saved["ep_rows"].append(name in ep_rows)
         saved["layer"].append(parts.layer_eff.get(name, -1))
         saved["heavy"].append(info.flops > 0 or info.is_matmul)
     return saved, kept_groups, rebuilt_groups
@@ -275,13 +290,14 @@ def _event_table(tp: TPRecipe, layer_eff: dict[str, int]) -> EventTable:
     )
 
 
-def _param_table(graph: TrainingGraph, parts: GraphParts, tp: TPRecipe) -> ParamTable:
-    """The parameters: sizes, TP roles and shard dims under ``tp``, experts, where read."""
+def _param_table(graph: TrainingGraph, parts: GraphParts, tp: TPRecipe, stacked: set[str]) -> ParamTable:
+    """The parameters: sizes, TP roles and shard dims under ``tp``, experts (``stacked``: those
+    stacking every expert in one parameter), where read."""
     params = parts.params
     return ParamTable(
         numel={n: math.prod(graph.param_shapes[n]) for n in params},
         tp_sharded={n: tp.roles.get(n, REPLICATED) != REPLICATED for n in params},
-        expert={n: _under(n, parts.expert_prefixes) for n in params},
+        expert={n: _under(n, parts.expert_prefixes) or n in stacked for n in params},
         stages_layer={n: list(v) for n, v in parts.consumers.items()},
         dtype_bytes={n: torch.empty((), dtype=graph.param_dtypes[n]).element_size() for n in params},
         tp_role=dict(tp.roles),
@@ -489,6 +505,23 @@ def _grouped_expert_io(nodes, analysis: GraphAnalysis, layer_eff: dict[str, int]
                 slots[path] = layer_eff[node.name] + 1
     for slot in set(slots.values()):
         expert_io[slot] = sum(sent[p] for p, s in slots.items() if s == slot)
+
+
+def _stacked_experts(graph: TrainingGraph, parts: GraphParts) -> tuple[dict[str, int], np.ndarray, StackedExperts]:
+    """Parameters stacking E experts (name -> E); per slot, the bytes the stacked experts'
+    dispatch gathers and their combine reduce-scatters; what runs on the ep group's rows
+    (`passes.expert_parallel_stacked.StackedExperts`). None where the experts are not in the
+    form that pass runs (ep is then refused)."""
+    gather = np.zeros(max(parts.n_layers, 1) + 2)
+    try:
+        found = stacked_experts(graph.gm)
+    except StackedExpertError:
+        return {}, gather, StackedExperts([], set(), set(), set(), 0)
+    names = {i.node: i.name for i in graph.inputs if i.kind == "param"}
+    stacked = {names[node]: e for node, e in stacked_expert_params(graph.gm).items() if node in names}
+    for y, nbytes in found.io:
+        gather[parts.layer_eff[y] + 1] += nbytes
+    return stacked, gather, found
 
 
 def _expert_count(graph: TrainingGraph, prefixes: tuple[str, ...]) -> int:

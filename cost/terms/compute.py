@@ -13,6 +13,7 @@ from cost.hardware import GPUSpec
 from cost.memory import buffer_bytes, headroom_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import recipe
+from cost.routing import imbalance
 from cost.stages import StageMemory
 from cost.step_facts import StepFacts
 from cost.terms.common import block_params, resolved
@@ -83,7 +84,7 @@ def times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
     """What `node_times` depends on: equal keys, equal node times."""
     return (cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
             cluster.params.attention_efficiency,
-            layout.tp, layout.cp, layout.sp, layout.microbatch, facts.batch, layout.precision,
+            layout.tp, layout.cp, layout.sp, layout.ep, layout.microbatch, facts.batch, layout.precision,
             _chosen_fp8(layout) if layout.fp8 == "auto" else layout.fp8, layout.fp8_recipe)
 
 
@@ -105,6 +106,13 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
         dtype = np.where(fp8, "fp8", dtype)
         cast = (n.fp8_act_bytes * scale / cp + n.fp8_const_bytes) / div
         nbytes = nbytes + np.where(fp8, cast * FP8_CAST_BYTES_PER_INPUT_BYTE, 0.0)
+    if lay.ep > 1 and n.ep_rows.any():
+        # stacked experts: the ops between their grouped matmuls run on the group's ep T rows,
+        # the matmuls on the rank's experts' rows, as many as the busiest rank's
+        rows = np.where(n.ep_rows, lay.ep, 1.0)
+        flops, vflops, nbytes = flops * rows, vflops * rows, nbytes * rows
+        flops = np.where(n.routed, flops * imbalance(
+            facts.expert_routed_rows * scale / cp, lay.ep), flops)
     times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                            cluster.params.gemm_half_scale)
     att = np.flatnonzero(n.is_attention & (flops > 0))

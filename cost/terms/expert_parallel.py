@@ -20,6 +20,9 @@ def ep_comm(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> np
     (the experts wait for their tokens). Under TP every TP rank dispatches its data-parallel
     rank's tokens whole (passes/expert_parallel.py after TP: the experts' column-parallel
     inputs are gathered over the sequence under SP), to the ep ranks of its own TP index.
+    Experts stacked in one parameter (`StepFacts.expert_gather_bytes`) receive the whole ep
+    group's routed rows by all-gather and return results by reduce-scatter
+    (passes/expert_parallel_stacked.py): ep times an all-to-all's traffic.
     """
     pp = lay.pp
     out = np.zeros(pp)
@@ -30,5 +33,14 @@ def ep_comm(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float) -> np
         if nb > 0:
             local = float(nb) * scale / lay.cp
             t = 2 * collective_time("all_to_all", local, group, cluster)  # fwd + bwd
+            out[stage_of(facts, np.array([layer_index - 1]), cluster, lay)[0]] += t
+    for layer_index, nb in enumerate(facts.expert_gather_bytes):
+        if nb > 0:
+            # stacked experts: the routed rows in (X) all-gathered and out (Y) reduce-scattered,
+            # K = ep x a rank's rows each (nccl-tests' size: the gathered whole); again for the
+            # gradients in the backward. X and Y are priced as halves of the recorded bytes.
+            whole = lay.ep * float(nb) * scale / lay.cp / 2
+            t = 2 * (collective_time("all_gather", whole, group, cluster)
+                     + collective_time("reduce_scatter", whole, group, cluster))
             out[stage_of(facts, np.array([layer_index - 1]), cluster, lay)[0]] += t
     return out

@@ -133,7 +133,7 @@ def rebuilt_sweep(spans: np.ndarray, layer: np.ndarray) -> tuple[np.ndarray, np.
 def local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray:
     """Bytes of each `SavedTable` row on one device for one micro-batch, as the caching
     allocator holds them (`CostParams.activation_fragmentation`); memoised, read-only."""
-    key = (layout.tp, layout.sp, layout.microbatch, layout.cp, facts.batch,
+    key = (layout.tp, layout.sp, layout.microbatch, layout.cp, layout.ep, facts.batch,
            cluster.params.activation_fragmentation)
 
     def build() -> np.ndarray:
@@ -147,6 +147,7 @@ def _local_saved_bytes(facts: StepFacts, cluster: Cluster, layout: Layout) -> np
     saved, tp = facts.saved, layout.tp
     local = saved.bytes * np.where(saved.batch_dep, layout.microbatch / facts.batch / layout.cp, 1.0)
     local = local / np.where(saved.tp_div, tp, 1) / np.where(saved.sp_div & layout.sp, tp, 1)
+    local = local * np.where(saved.ep_rows, layout.ep, 1)  # the ep group's rows, all gathered
     return local * cluster.params.activation_fragmentation
 
 

@@ -13,9 +13,8 @@ from autopar.analysis.graph import analyze
 from autopar.capture.joint import capture
 from autopar.execution.rewrite import captured_signature
 from autopar.search.step import CapturedStep
-from cost import Cluster
 from passes.expert_parallel import ExpertParallelError, apply_expert_parallel
-from vocab.layout import Layout, LayoutError, unsupported_decisions
+from vocab.layout import Layout, unsupported_decisions
 from vocab.plan_types import AxisGroup
 
 A2A = torch.ops._c10d_functional.all_to_all_single.default
@@ -75,19 +74,6 @@ def test_refusals():
     dense = _captured("tiny-llama", experts=0)
     with pytest.raises(ExpertParallelError, match="ModuleList"):
         apply_expert_parallel(dense.gm, AxisGroup("ep", 2, 0))
-
-
-def test_stacked_experts_refused_under_ep():
-    """A transformers Mixtral keeps its experts' weights stacked in one parameter: ep is refused
-    when the layout is planned (as parallelize plans it), naming why, not run wrong."""
-    import hf_tiny
-
-    import autopar
-
-    model = hf_tiny.build("mixtral", layers=1)
-    with pytest.raises(LayoutError, match="0 experts.*stacked in one parameter.*use ep=1"):
-        autopar.plan(model, hf_tiny.batch(size=4), cluster=Cluster.local(ranks=2),
-                     layout=Layout(dp=2, ep=2))
 
 
 def test_what_runs_under_ep():

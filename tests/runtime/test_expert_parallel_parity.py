@@ -6,7 +6,9 @@ top-2 MoE written here (`top2_moe_lm`: 8 SwiGLU experts with biases, every exper
 weighted by its renormalised top-2 gate, results stacked along dim -2), each under two losses
 (the model's mean cross-entropy, and a label-smoothed one over the tokens left after masking
 some labels with -100), with ZeRO and gradient accumulation, and the solver's own plan for the
-zoo Mixtral (on a fixed CPU profile it picks ep2). 2 ranks (ep2 x dp2 in one group)
+zoo Mixtral (on a fixed CPU profile it picks ep2); and transformers' Mixtral and Qwen2-MoE, whose
+experts are stacked in one parameter (passes/expert_parallel_stacked.py: all-gather dispatch,
+reduce-scatter combine, each rank storing its rows). 2 ranks (ep2 x dp2 in one group)
 in the default suite; 4 ranks (ep2 in two groups of dp4, whose experts' owners are 2 ranks
 over which ZeRO 1-3 shard them, also with full recompute, and ep4; and ep2 x tp2, with and
 without SP, with ZeRO-1 and ZeRO-3: TP shards each expert, each TP rank dispatching its tokens
@@ -85,13 +87,31 @@ def _batch(vocab: int, size: int = 8, seq: int = 16, mask: bool = False):
     return ids, labels
 
 
+class HFCausalLM(nn.Module):
+    """A transformers model as a training script holds it: (ids, labels) -> mean cross-entropy
+    of the logits against labels already shifted; (ids,) -> logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        return logits if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
 def _cases():
+    import hf_tiny
+
     from autopar import models
 
     cfg = dataclasses.replace(models.config("tiny-mixtral"), n_layers=5)
     return {
         "tiny-mixtral": (lambda: models.build(cfg, seed=1), cfg.vocab),
         "top2-moe": (lambda: (torch.manual_seed(2), top2_moe_lm())[1], 64),
+        # transformers' experts stacked in one parameter (passes/expert_parallel_stacked.py)
+        "hf-mixtral": (lambda: HFCausalLM(hf_tiny.build("mixtral", seed=3).model), hf_tiny.VOCAB),
+        "hf-qwen2-moe": (lambda: HFCausalLM(hf_tiny.build("qwen2-moe", seed=4).model), hf_tiny.VOCAB),
     }
 
 
@@ -99,16 +119,22 @@ def _storage(pm, ref, label, ep: int, dp: int, tp: int = 1) -> list[tuple]:
     """The rank holds 1/ep of the experts' parameters, on their owners' mesh of dp/ep ranks
     (x tp: TP shards each expert); the ranks' names together are the model's."""
     import torch.distributed as dist
+    from torch.distributed.tensor import Shard
 
     failures = []
     mine = {n for n, _ in pm.named_parameters()}
-    experts = {n for n, _ in ref.named_parameters() if ".experts." in n}
+    stacked = {n: p for n, p in pm.named_parameters() if "ep" in (p.device_mesh.mesh_dim_names or ())}
+    experts = {n for n, _ in ref.named_parameters() if ".experts." in n} - set(stacked)
     held = mine & experts
     if len(held) * ep != len(experts):
         failures.append((*label, f"holds {len(held)} of {len(experts)} expert parameters, not 1/{ep}"))
     meshes = {p.device_mesh.size() for n, p in pm.named_parameters() if n in held}
-    if meshes != {dp // ep * tp}:
+    if held and meshes != {dp // ep * tp}:
         failures.append((*label, f"experts on meshes of {meshes} ranks, not their {dp // ep} owners x tp{tp}"))
+    for name, p in stacked.items():  # the rank's rows: Shard(0) over ep, then its owners' ZeRO rows
+        mesh = p.device_mesh
+        if (mesh["ep"].size(), mesh["dp"].size(), p.placements[0]) != (ep, dp // ep, Shard(0)):
+            failures.append((*label, f"{name} is not its rows over ep{ep} on its {dp // ep} owners"))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(mine))
     if set().union(*map(set, everyone)) != {n for n, _ in ref.named_parameters()}:
@@ -126,7 +152,8 @@ def _whole_state(pm, ref, label, path: str | None) -> tuple[list[tuple], dict]:
     from autopar.errors import InputError
 
     failures = []
-    whole = pm.full_state_dict()
+    # copies: like a module's state_dict, a replicated parameter's entry is the parameter itself
+    whole = {name: value.clone() for name, value in pm.full_state_dict().items()}
     for name, value in ref.state_dict().items():
         if name not in whole or not torch.allclose(whole[name], value, rtol=1e-5, atol=1e-6):
             failures.append((*label, f"full_state_dict()[{name!r}] is not the one-device value"))
@@ -203,8 +230,9 @@ def _worker(rank: int, world: int, runs: list[tuple], path: str | None = None,
         # label smoothing's sum over a vocabulary split by TP runs replicated (the plan says so)
         failures += contract(pm, label, ("aten.sum",) if smoothed and degrees.get("tp", 1) > 1 else ())
         dump = pm.dump_graph()
-        if dump.count("all_to_all_single") < 4 * 2 or "EP over" not in dump:
-            failures.append((*label, "dump_graph shows no all-to-alls with their decision"))
+        moved = dump.count("all_to_all_single") + dump.count("reduce_scatter_tensor")
+        if moved < 2 * 2 or dump.count("EP over") < 4 * 2:
+            failures.append((*label, "dump_graph shows no dispatch and combine with their decision"))
         if not smoothed:
             ref_fn = ref
         else:
@@ -240,8 +268,18 @@ def test_ep2_matches_one_device(tmp_path):
     runs = [("tiny-mixtral", "solver", False),  # the solver's plan: dp2 ep2
             ("tiny-mixtral", {"dp": 2, "ep": 2, "zero": 3}, True),
             ("top2-moe", {"dp": 2, "ep": 2, "zero": 1, "grad_accum": 2}, False),
-            ("top2-moe", {"dp": 2, "ep": 2, "zero": 2}, True)]
+            ("top2-moe", {"dp": 2, "ep": 2, "zero": 2}, True),
+            ("hf-mixtral", {"dp": 2, "ep": 2}, True)]  # experts stacked in one parameter
     assert spawn(_worker, 2, (runs, str(tmp_path)), timeout_s=900) == [[], []]
+
+
+@pytest.mark.slow
+def test_stacked_experts_on_two_ranks(tmp_path):
+    """transformers' Qwen2-MoE (a shared expert beside the routed ones) and Mixtral under ZeRO and
+    gradient accumulation; the checkpoint loads without ep."""
+    runs = [("hf-qwen2-moe", {"dp": 2, "ep": 2, "zero": 3}, True),
+            ("hf-mixtral", {"dp": 2, "ep": 2, "zero": 1, "grad_accum": 2}, False)]
+    assert spawn(_worker, 2, (runs, str(tmp_path), {"dp": 2}), timeout_s=900) == [[], []]
 
 
 @pytest.mark.slow
@@ -255,6 +293,11 @@ def test_ep_on_four_ranks_matches_one_device(tmp_path):
             # ep x tp: TP inside each expert, the tokens dispatched to the ep ranks of each TP index
             ("tiny-mixtral", {"dp": 2, "tp": 2, "ep": 2}, False),
             ("top2-moe", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 1}, True),
-            ("tiny-mixtral", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 3}, True)]
+            ("tiny-mixtral", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 3}, True),
+            # transformers' stacked experts: ep4, the owners' ZeRO rows, recompute, TP inside
+            ("hf-mixtral", {"dp": 4, "ep": 4, "zero": 2}, True),
+            ("hf-qwen2-moe", {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"}, False),
+            ("hf-qwen2-moe", {"dp": 2, "tp": 2, "ep": 2}, False),
+            ("hf-mixtral", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 3}, True)]
     reload = {"dp": 4, "zero": 1}  # the ep2 x ZeRO-3 checkpoint loaded without ep
     assert spawn(_worker, 4, (runs, str(tmp_path), reload), timeout_s=1500) == [[], [], [], []]
