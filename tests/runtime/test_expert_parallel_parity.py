@@ -296,6 +296,7 @@ def test_ep_on_four_ranks_matches_one_device(tmp_path):
             ("tiny-mixtral", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 3}, True),
             # transformers' stacked experts: ep4, the owners' ZeRO rows, recompute, TP inside
             ("hf-mixtral", {"dp": 4, "ep": 4, "zero": 2}, True),
+            ("hf-qwen2-moe", {"dp": 4, "ep": 4}, False),
             ("hf-qwen2-moe", {"dp": 4, "ep": 2, "zero": 3, "recompute": "full"}, False),
             ("hf-qwen2-moe", {"dp": 2, "tp": 2, "ep": 2}, False),
             ("hf-mixtral", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 3}, True)]

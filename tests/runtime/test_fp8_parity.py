@@ -60,7 +60,10 @@ CASES = {
     "2 cp": [("tiny-llama", "tensorwise", {"cp": 2}), ("tokens", "rowwise", {"cp": 2}),
              ("tokens", "rowwise", {"cp": 2, "cp_balance": False, "recompute": "full"})],
     "4 cp": [("tiny-llama", "tensorwise", {"dp": 2, "cp": 2}), ("tokens", "rowwise", {"dp": 2, "cp": 2, "zero": 3}),
-             ("tiny-llama", "tensorwise", {"cp": 2, "tp": 2, "sp": True})],
+             ("tiny-llama", "tensorwise", {"cp": 2, "tp": 2, "sp": True}),
+             # cp x pp: the stages' FP8 matmuls on the CP rank's tokens
+             ("tiny-llama", "tensorwise", {"cp": 2, "pp": 2, "grad_accum": 1}),
+             ("tiny-llama", "tensorwise", {"cp": 2, "pp": 2, "grad_accum": 1, "schedule": "afab", "zero": 1})],
 }
 
 
