@@ -303,6 +303,7 @@ def apply_stacked_expert_parallel(gm: fx.GraphModule, group: AxisGroup) -> Stack
 
 
 def _rewrite_all(gm: fx.GraphModule, layers: list[_Layer], experts: dict[str, int], group: AxisGroup) -> None:
+    """Every layer rewritten, then every value downstream of a changed one recomputed."""
     changed = set()
     for node in gm.graph.nodes:  # each stacked parameter's placeholder holds its m local rows
         if node.op == "placeholder" and node.name in experts:
@@ -310,15 +311,14 @@ def _rewrite_all(gm: fx.GraphModule, layers: list[_Layer], experts: dict[str, in
             node.meta["val"] = val.new_empty((val.shape[0] // group.size, *val.shape[1:]))
             changed.add(node)
     for layer in layers:
-        changed |= _rewrite(gm.graph, layer, group)
+        changed |= _rewrite(gm.graph, layer, experts[next(iter(layer.weights)).name], group)
     _repropagate(gm.graph, changed)
 
 
-def _rewrite(graph: fx.Graph, layer: _Layer, group: AxisGroup) -> set[fx.Node]:
+def _rewrite(graph: fx.Graph, layer: _Layer, E: int, group: AxisGroup) -> set[fx.Node]:
     """One layer's dispatch and combine (the module docstring); returns the nodes whose values
     changed shape or are new (for `_repropagate`)."""
     n, r = group.size, group.rank
-    E = int(next(iter(layer.weights)).meta["val"].shape[0]) * n  # the placeholders hold m rows now
     m = E // n
     first = layer.fwd[0]
     meta = {k: first.meta[k] for k in ("module", "seq_nr") if k in first.meta}
