@@ -137,6 +137,9 @@ class PlanDecisions:
     # fused projections (one weight split per part under TP: GPT-2's qkv, Phi-3's gate|up) the
     # layout asks FP8 of but runs in high precision: no FP8 matmul rule for such a split
     fp8_fused_high: list[str] = field(default_factory=list)
+    # expert weights the layout asks FP8 of but runs in high precision: experts stacked in one
+    # parameter (grouped matmuls) and, under ep, lists of experts (one grouped computation)
+    fp8_expert_high: list[str] = field(default_factory=list)
     comm: CommPlan = field(default_factory=CommPlan)
     fallbacks: list[Fallback] = field(default_factory=list)
 
@@ -204,6 +207,7 @@ class PlanDecisions:
             "fp8": list(self.fp8),
             "fp8_high": list(self.fp8_high),
             "fp8_fused_high": list(self.fp8_fused_high),
+            "fp8_expert_high": list(self.fp8_expert_high),
             "comm": asdict(self.comm),
             "fallbacks": [asdict(f) for f in self.fallbacks],
         }
@@ -226,6 +230,7 @@ class PlanDecisions:
             fp8=list(data["fp8"]),
             fp8_high=list(data.get("fp8_high", [])),
             fp8_fused_high=list(data.get("fp8_fused_high", [])),
+            fp8_expert_high=list(data.get("fp8_expert_high", [])),
             comm=CommPlan(**data["comm"]),
             fallbacks=[Fallback(**f) for f in data["fallbacks"]],
         )

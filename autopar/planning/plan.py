@@ -229,6 +229,10 @@ class Plan:
         fused = self.decisions.fp8_fused_high
         fused_line = ("\n  kept in high precision under TP (a fused projection split per part has "
                       "no FP8 matmul rule; FP8 with tp=1 runs them): " + _fold(fused)) if fused else ""
+        experts = self.decisions.fp8_expert_high
+        if experts:  # the experts' grouped matmuls have no FP8 rewrite
+            fused_line += ("\n  kept in high precision (experts run as grouped matmuls, which have no "
+                           "FP8 rule: stacked experts always, lists of experts under ep): " + _fold(experts))
         if not self.fp8:
             why = " (none chosen: FP8 would not pay at these shapes)" if lay.uses_fp8 else ""
             return "fp8 matmuls: none" + why + fused_line

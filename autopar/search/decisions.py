@@ -47,6 +47,7 @@ def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
         fp8=_fp8_weights(facts, cluster, chosen),
         fp8_high=_fp8_kept_high(facts, cluster, chosen),
         fp8_fused_high=_fp8_fused_high(facts, layout),
+        fp8_expert_high=_fp8_expert_high(facts, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter",
                       reshard_after_forward=layout.reshard),
         fallbacks=[Fallback(op, "no sharding strategy on its inputs: gathered, run replicated")
@@ -140,6 +141,19 @@ def _fp8_fused_high(facts: StepFacts, layout: Layout) -> list[str]:
     names = {w for w in facts.nodes.fp8_weight.tolist() if w and facts.param_tp_parts.get(w, 1) > 1}
     if isinstance(asked, (tuple, list)):  # only the weights (or block-tied groups) asked for
         names = {w for w in names if w in asked or fp8_group(w) in asked}
+    return sorted(names)
+
+
+def _fp8_expert_high(facts: StepFacts, layout: Layout) -> list[str]:
+    """Expert weights a layout using FP8 runs in high precision: experts stacked in one
+    parameter (grouped matmuls: no FP8 rule) and, under ep, lists of experts (one grouped
+    computation), named in the plan so that nothing is kept silently."""
+    if not layout.uses_fp8:
+        return []
+    candidates = set(facts.nodes.fp8_weight[fp8_candidates(facts, layout)].tolist())
+    names = {w for w, e in facts.params.expert.items() if e and w not in candidates}
+    if isinstance(layout.fp8, (tuple, list)):  # only the weights (or block-tied groups) asked for
+        names = {w for w in names if w in layout.fp8 or fp8_group(w) in layout.fp8}
     return sorted(names)
 
 

@@ -150,6 +150,10 @@ def fp8_candidates(facts: StepFacts, layout: Layout) -> np.ndarray:
         # under TP: DTensor would gather its FP8 operands; it stays in high precision
         fused = [w for w, parts in facts.param_tp_parts.items() if parts > 1]
         candidate &= ~np.isin(n.fp8_weight, fused)
+    if layout.ep > 1:
+        # under ep a list of experts runs as one grouped (vmapped) computation, which the FP8
+        # pass does not rewrite: its weights stay in high precision
+        candidate &= ~np.isin(n.fp8_weight, [w for w, e in facts.params.expert.items() if e])
     return candidate
 
 

@@ -119,3 +119,25 @@ def test_refusals(graph):
     leaky = capture(model, grouped_moe.batch(size=2))
     with pytest.raises(StackedExpertError, match="read 2 gradients.*cannot be dispatched.*use ep=1"):
         apply_stacked_expert_parallel(leaky.gm, AxisGroup("ep", 2, 0))
+
+
+def test_fp8_names_the_experts_it_keeps_high():
+    """FP8 "all" runs no expert weight in FP8 where the experts are grouped matmuls (stacked in
+    one parameter, or a list of experts under ep) and the plan names them (``fp8_expert_high``
+    and its summary line); without ep a list's experts run in FP8 and none is named."""
+    from autopar import models
+
+    cluster = Cluster("h100", nodes=1, gpus_per_node=2)
+    cfg = models.config("tiny-mixtral")
+    zoo, batch = models.build(cfg, seed=0), models.example_inputs(cfg, batch=4, seq=16)
+    for degrees, in_fp8 in (({"dp": 2}, True), ({"dp": 2, "ep": 2}, False)):
+        plan = autopar.plan(zoo, batch, cluster=cluster, layout=Layout(**degrees, fp8="all"))
+        experts = {n for n in plan.placements if ".experts." in n}
+        assert bool(experts & set(plan.fp8)) == in_fp8
+        assert set(plan.decisions.fp8_expert_high) == (set() if in_fp8 else experts)
+        assert ("experts run as grouped matmuls" in plan.summary()) != in_fp8
+    stacked = autopar.plan(hf_tiny.build("mixtral", layers=2), hf_tiny.batch(size=4), cluster=cluster,
+                           layout=Layout(dp=2, fp8="all"))
+    assert stacked.decisions.fp8_expert_high == sorted(
+        n for n in stacked.placements if n.endswith(("gate_up_proj", "down_proj")))
+    assert not set(stacked.decisions.fp8_expert_high) & set(stacked.fp8)
