@@ -64,6 +64,10 @@ CASES = {
              # cp x pp: the stages' FP8 matmuls on the CP rank's tokens
              ("tiny-llama", "tensorwise", {"cp": 2, "pp": 2, "grad_accum": 1}),
              ("tiny-llama", "tensorwise", {"cp": 2, "pp": 2, "grad_accum": 1, "schedule": "afab", "zero": 1})],
+    # expert parallelism: the experts (one grouped computation) in high precision, the rest in
+    # FP8, amaxes over tokens reduced over dp (the plan lists the experts in fp8_expert_high)
+    "2 ep": [("tiny-mixtral", "tensorwise", {"dp": 2, "ep": 2}),
+             ("tiny-mixtral", "rowwise", {"dp": 2, "ep": 2, "zero": 3})],
 }
 
 
@@ -123,6 +127,8 @@ def _worker(rank: int, world: int, cases) -> list[tuple]:
             failures.append((*label, "the plan lists no FP8 matmul"))
         if "_scaled_mm" not in pm.dump_graph():
             failures.append((*label, "no _scaled_mm in the rank's graph"))
+        if degrees.get("ep", 1) > 1 and not pm.plan.decisions.fp8_expert_high:
+            failures.append((*label, "the experts kept in high precision are not named"))
         failures += _steps_from_one_state(pm, ref, batch, label, sgd)
     return failures
 
@@ -147,7 +153,8 @@ def _steps_from_one_state(pm, ref, batch, label, make, steps: int = 2) -> list[t
 @pytest.mark.parametrize("cases", ["2", pytest.param("2 more", marks=pytest.mark.slow),
                                    pytest.param("4", marks=pytest.mark.slow),
                                    pytest.param("2 cp", marks=pytest.mark.slow, id="cp2"),
-                                   pytest.param("4 cp", marks=pytest.mark.slow, id="cp4")])
+                                   pytest.param("4 cp", marks=pytest.mark.slow, id="cp4"),
+                                   pytest.param("2 ep", marks=pytest.mark.slow, id="ep2")])
 def test_parallel_fp8_matches_single_device_fp8(cases):
     world = int(cases.split()[0])
     assert spawn(_worker, world, args=(CASES[cases],), timeout_s=900) == [[]] * world
