@@ -307,15 +307,15 @@ def unsupported_decisions(layout: Layout) -> list[str]:
     # the rank's tokens, a weight gradient as a partial sum over cp; an amax over tokens is
     # all-reduced (max) over cp, then over dp: global scales, as on one device)
     if layout.ep > 1:
-        # the experts over ep consecutive dp ranks with all-to-alls (passes/expert_parallel.py),
-        # with DP, ZeRO 0-3 and TP (TP inside each expert, with or without SP); not yet
-        # composed with these
+        # the experts over ep consecutive dp ranks (passes/expert_parallel.py: all-to-alls;
+        # passes/expert_parallel_stacked.py: all-gather and reduce-scatter), with DP, ZeRO 0-3,
+        # TP (inside each expert, with or without SP) and FP8 (the experts' grouped matmuls in
+        # high precision, named in the plan); not yet composed with these
         with_ep = [what for what, on in (
             (f"pipelines (pp={layout.pp})", layout.pp > 1),
-            (f"context parallelism (cp={layout.cp})", layout.cp > 1),
-            (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8")) if on]
+            (f"context parallelism (cp={layout.cp})", layout.cp > 1)) if on]
         if with_ep:
             out.append(f"expert parallelism (ep={layout.ep}) with " + ", ".join(with_ep)
-                       + " (ep runs with data parallelism, ZeRO and tensor parallelism only)")
+                       + " (ep runs with data parallelism, ZeRO, tensor parallelism and FP8 only)")
     # recompute "selective" and "full" run (passes/recompute.py), FP8 matmuls too (passes/fp8.py)
     return out

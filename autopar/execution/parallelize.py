@@ -34,8 +34,8 @@ the rank's TP heads, leaving partial gradients that the DP pass reduces over the
 pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
 consecutive dp ranks, with all-to-alls; each rank stores only its experts' parameters (the
 module holds no others), on the ("dp", "tp") mesh of their owners (`runtime.mesh.expert_mesh`). Any
-other decision (ZeRO-2/3 inside a pipeline, cp with FP8 or with weights tied across pipeline
-stages, ep with pipelines, cp or FP8, a precision other than the model's) is an
+other decision (ZeRO-2/3 inside a pipeline, cp with weights tied across pipeline
+stages, ep with pipelines or cp, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
 The loss trains as on one device wherever the layout splits the batch (data parallelism,
@@ -325,8 +325,8 @@ def _executable(layout: Layout, precision: str, refused: Sequence[str] = ()) -> 
         raise UnsupportedLayoutError(
             f"layout {layout.short()}: autopar.parallelize does not execute "
             + "; ".join(missing) + " yet. Drop what is named (each says what runs today: DP, ZeRO, "
-            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO, TP+SP and pipelines, ep with DP, "
-            "ZeRO and TP+SP, any recompute, the model's precision), or use the plan for its predictions")
+            "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO, TP+SP, pipelines and FP8, ep with DP, "
+            "ZeRO, TP+SP and FP8, any recompute, the model's precision), or use the plan for its predictions")
 
 
 def _one_plan(choose: Callable[[], Plan]) -> Plan:

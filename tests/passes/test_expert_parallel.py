@@ -77,12 +77,12 @@ def test_refusals():
 
 
 def test_what_runs_under_ep():
-    """ep runs with DP, ZeRO and TP; with pipelines, CP or FP8 it is refused, naming the combination."""
+    """ep runs with DP, ZeRO, TP and FP8; with pipelines or CP it is refused, naming the combination."""
     assert unsupported_decisions(Layout(dp=4, ep=2)) == []
     assert unsupported_decisions(Layout(dp=2, ep=2, zero=3)) == []
     assert unsupported_decisions(Layout(dp=2, ep=2, tp=2, sp=True, zero=1)) == []
-    for extra, words in (({"pp": 2}, "pipelines"),
-                         ({"cp": 2}, "context parallelism"), ({"fp8": "all"}, "FP8")):
+    assert unsupported_decisions(Layout(dp=2, ep=2, fp8="all")) == []
+    for extra, words in (({"pp": 2}, "pipelines"), ({"cp": 2}, "context parallelism")):
         (why,) = unsupported_decisions(Layout(dp=2, ep=2, **extra))
         assert "expert parallelism (ep=2) with" in why and words in why, why
 
