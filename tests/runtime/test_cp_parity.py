@@ -5,7 +5,8 @@ labels; that plus a mean square of hidden states) and transformers' Llama and GP
 attention masks built from the ids: ring attention slices them per block). Each run checks that attention ran as ring
 attention and that nothing gathered the sequence. The plain model also returns (loss, logits)
 under a [b, V, s] cross-entropy plus a per-token loss: logits, loss and gradients as one
-device's, under strict=True."""
+device's, under strict=True. The solver's own plan for one 8192-token sequence on 2 H100s picks
+cp=2 and runs (slow)."""
 
 from __future__ import annotations
 
@@ -95,4 +96,33 @@ def test_cp4():
 def test_cp2_recompute():
     results = spawn(_cp_worker, 2, args=([{"cp": 2, "recompute": "selective"}, {"cp": 2, "recompute": "full"}],),
                     timeout_s=900)
+    assert all(r == [] for r in results), [r for r in results if r]
+
+
+def _solver_plan(rank: int, world: int) -> list[tuple]:
+    """The solver's own plan for a long sequence: tiny-llama, one 8192-token sequence on 2 H100s
+    (no batch to split; at this length the ring beats TP's per-layer all-reduces): it picks
+    cp=2, and that plan trains like one device."""
+    import dataclasses
+
+    from parity_checks import contract, sgd, train_and_compare
+
+    import autopar
+    from autopar import models
+
+    cfg = dataclasses.replace(models.config("tiny-llama"), max_seq=8192)
+    model, batch = models.build(cfg, seed=3), models.example_inputs(cfg, batch=1, seq=8192)
+    ref = copy.deepcopy(model)
+    plan = autopar.plan(model, batch, cluster=autopar.Cluster("h100", nodes=1, gpus_per_node=world),
+                        precision="fp32", executable_only=True)
+    label = ("tiny-llama seq 8192", plan.layout.short())
+    if plan.layout.cp != world:
+        return [(*label, "the solver did not pick cp")]
+    pm = autopar.parallelize(model, world, example_inputs=batch, plan=plan)
+    return contract(pm, label) + train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd,))
+
+
+@pytest.mark.slow
+def test_solver_picks_cp_for_a_long_sequence():
+    results = spawn(_solver_plan, 2, timeout_s=900)
     assert all(r == [] for r in results), [r for r in results if r]
