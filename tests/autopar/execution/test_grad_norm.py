@@ -8,7 +8,8 @@ own tensors are not the model: a pipeline whose stages hold different blocks and
 GPT-2's tied embedding (tiny-gpt2 pp2), expert parallelism (tiny-mixtral dp2 ep2: each rank
 holds half the experts), ZeRO-3 shards (a plain-PyTorch model of two losses, the infinity norm
 too); under ``slow`` on 4 ranks, TP's replicated weights (tp2 x dp2), a pipeline with data
-parallelism, and ep2 over dp4 with ZeRO-1.
+parallelism, ep2 over dp4 with ZeRO-1, and transformers' Mixtral (experts stacked in one
+parameter, each rank holding its rows) ep2 over dp4 with ZeRO-3.
 """
 
 import copy
@@ -51,6 +52,10 @@ def _case(name: str):
         batch = (torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g),
                  torch.randn(8, generator=g))
         return TwoLossNet(huber=name.endswith("huber")), batch
+    if name.startswith("hf-"):
+        import hf_tiny
+
+        return hf_tiny.build(name[3:], seed=3), hf_tiny.batch(size=8, seq=16)
     return models.build(name, seed=3), models.example_inputs(name, batch=4, seq=16)
 
 
@@ -97,5 +102,6 @@ def test_clip_grad_norm_matches_one_device_on_four_ranks():
     runs = [("tiny-llama", {"dp": 2, "tp": 2, "sp": True, "zero": 1}, 2.0),
             ("tiny-llama", {"dp": 2, "pp": 2, "zero": 1, "microbatch": 1}, 2.0),
             ("tiny-mixtral", {"dp": 4, "ep": 2, "zero": 1}, 2.0),
+            ("hf-mixtral", {"dp": 4, "ep": 2, "zero": 3}, 2.0),  # experts stacked: rows over ep
             ("two-loss-huber", {"dp": 2, "tp": 2}, 1.0)]
     assert spawn(_worker, 4, (runs,), timeout_s=1500) == [[], [], [], []]
