@@ -100,6 +100,7 @@ class _Facts:
     has_param: dict
     consts: dict
     sizes: frozenset
+    rows_proven: bool = False  # at one row: the same step at two rows was proven (`analyze_loss`)
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,16 @@ class LossReduction:
         return f"in the forward of {module or 'the top-level module (or loss_fn)'}"
 
 
-def analyze_loss(gm: fx.GraphModule, signature: GraphSignature) -> LossReduction:
-    """Prove the loss output of the joint graph ``gm`` is of form (1), and say how to split it."""
+# why a one-row piece is unproven where more rows might be (`analyze_loss`'s ``rows_proven``)
+ONE_ROW = "runs along dim 0 of a micro-batch of one row"
+
+
+def analyze_loss(gm: fx.GraphModule, signature: GraphSignature, rows_proven: bool = False) -> LossReduction:
+    """Prove the loss output of the joint graph ``gm`` is of form (1), and say how to split it.
+
+    At one row per piece the batch dim is not told apart from the others by size, and an op
+    combining values along dim 0 is unproven (`ONE_ROW`); ``rows_proven``: the same step
+    captured at two rows was proven (its ops keep the samples apart), so such ops are not."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loss = output.args[0][signature.loss_index]
     kinds_in = dict(zip(signature.placeholders, signature.inputs))
@@ -199,7 +208,7 @@ def analyze_loss(gm: fx.GraphModule, signature: GraphSignature) -> LossReduction
             continue
         has_param[node] = (kinds_in.get(node.name, ("",))[0] == "param"
                            or any(has_param.get(i, False) for i in node.all_input_nodes))
-    facts = _Facts(batch, has_param, _constants(gm), _sizes(gm, kinds_in))
+    facts = _Facts(batch, has_param, _constants(gm), _sizes(gm, kinds_in), rows_proven)
     for node in gm.graph.nodes:
         if node in needed:
             kinds[node] = _kind(node, kinds, kinds_in, facts)
@@ -326,8 +335,8 @@ def _kind(node: fx.Node, kinds: dict, kinds_in: dict, facts: _Facts):
     if schema is not None and any(a.name == "reduction" for a in schema.arguments):
         return _elementwise_loss(node, kinds, has_param)
     if any(k.kind == "B" and k.loose for k in flat) and not any(k.kind in "EA" for k in flat):
-        if batch == 1 and _along_rows(node, kinds):
-            return _x(node, f"{target} runs along dim 0 of a micro-batch of one row, which may be the "
+        if batch == 1 and not facts.rows_proven and _along_rows(node, kinds):
+            return _x(node, f"{target} {ONE_ROW}, which may be the "
                       "batch: its pieces would not combine into the whole batch's value (fix: run it "
                       "along another dim, or use a micro-batch of more than one row to let autopar "
                       "tell the dims apart)")

@@ -67,7 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.analysis.graph import analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
-from autopar.capture.joint import capture, capture_with_sources
+from autopar.capture.joint import TrainingGraph, capture, capture_with_sources
 from autopar.capture.outputs import check_mergeable
 from autopar.errors import InputError
 from autopar.execution.module import ParallelModule, _dp_rank
@@ -88,7 +88,7 @@ from autopar.planning.planner import plan as make_plan
 from autopar.search.step import CapturedStep
 from cost import Cluster, Layout
 from cost.step import check_layout
-from passes.loss_reduction import LossReduction, analyze_loss, for_layout
+from passes.loss_reduction import ONE_ROW, LossReduction, analyze_loss, for_layout
 from runtime.executor import RankGraph
 from runtime.mesh import dp_cp_mesh, expert_mesh, stacked_expert_mesh
 from vocab.layout import unsupported_decisions
@@ -103,14 +103,21 @@ LOSS_REDUCTIONS = ("exact", "mean_per_rank")
 
 
 def _loss_reduction(gm, signature: GraphSignature, lay: Layout, mode: str,
-                    sources: Callable[[], fx.GraphModule] | None = None) -> LossReduction | None:
+                    sources: Callable[[], fx.GraphModule] | None = None,
+                    two_rows: Callable[[], TrainingGraph] | None = None) -> LossReduction | None:
     """How the loss splits over the layout's pieces of the batch; None where nothing splits it
     (dp = 1 and grad_accum = 1) or the user accepted per-piece means ("mean_per_rank").
     Raises `LossReductionError` for a loss not proven linear in the batch, naming the user's
-    source line of the op (``sources``: the step traced again with them)."""
+    source line of the op (``sources``: the step traced again with them). At one row per piece
+    an op along dim 0 is proven on the step captured at two rows (``two_rows``), where the batch
+    dim is told apart (transformers' MoE counts its experts' tokens with a cumsum)."""
     if mode == "mean_per_rank" or (lay.dp == 1 and lay.grad_accum == 1):
         return None
     reduction = analyze_loss(gm, signature)
+    if reduction.mode == "unproven" and ONE_ROW in reduction.why and two_rows is not None:
+        wider = two_rows()
+        if analyze_loss(wider.gm, captured_signature(wider)).mode != "unproven":
+            reduction = analyze_loss(gm, signature, rows_proven=True)
     if reduction.mode == "unproven":
         op = reduction.node.target if reduction.node is not None else "the loss"
         if reduction.node is not None and sources is not None:
@@ -189,7 +196,8 @@ def parallelize(
     check_mergeable(model, graph, micro_inputs, local_inputs, loss_fn, m)
     signature = captured_signature(graph)
     reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction,
-                                lambda: capture_with_sources(model, micro_inputs, loss_fn).gm)
+                                lambda: capture_with_sources(model, micro_inputs, loss_fn).gm,
+                                lambda: capture(model, tuple(x[:2] for x in example_inputs), loss_fn=loss_fn))
     # the passes of `rewrite.PASSES`, in order, each on its part of the plan; the plan is
     # never edited: what they find is the execution report pm.plan carries
     state = RankRewrite(gm=graph.gm, signature=signature, shapes=dict(graph.param_shapes),

@@ -98,13 +98,13 @@ def _batch(seed: int, b: int = 8, s: int = 5):
     return ids, labels
 
 
-def split_step(model: nn.Module, inputs: tuple, pieces: int):
+def split_step(model: nn.Module, inputs: tuple, pieces: int, rows_proven: bool = False):
     """The step as ``pieces`` pieces of the batch weighted and fed as the runtime does:
     (loss, grads, the mode `analyze_loss` found); it runs the reduction `for_layout` settles."""
     micro = tuple(x.chunk(pieces)[0] for x in inputs)
     graph = capture(model, micro)
     sig = _signature(graph)
-    found = analyze_loss(graph.gm, sig)
+    found = analyze_loss(graph.gm, sig, rows_proven)
     assert found.mode != "unproven", found.why
     red = for_layout(found, tp=2, pp=2)
     gm = graph.gm
@@ -149,8 +149,8 @@ def _eager(model, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check(model, inputs, pieces):
-    loss, grads, mode = split_step(model, inputs, pieces)
+def _check(model, inputs, pieces, rows_proven: bool = False):
+    loss, grads, mode = split_step(model, inputs, pieces, rows_proven)
     ref_loss, ref_grads = _eager(model, inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
@@ -397,3 +397,27 @@ def test_a_batch_statistic_added_to_a_per_sample_product_is_refused():
     graph = capture(_BatchMeanBias(), (torch.randn(6, 4),))
     red = analyze_loss(graph.gm, _signature(graph))
     assert red.mode == "unproven" and "baddbmm" in red.why, red.why
+
+
+def test_one_row_per_piece_of_a_transformers_moe_is_proven_at_two_rows():
+    """transformers' MoE counts its experts' tokens with a cumsum along dim 0: at one row per
+    piece that is unproven (the dims are not told apart), at two rows it is proven, and with
+    that proof the one-row pieces split exactly (masked labels: a token ratio). Ops that do
+    mix the rows stay unproven at two rows, so the proof at two rows cannot excuse them."""
+    import hf_tiny
+
+    from passes.loss_reduction import ONE_ROW
+
+    model = hf_tiny.build("mixtral", layers=1)
+    ids, labels = hf_tiny.batch(size=2, seq=8)
+    labels[1, 3:] = -100
+    one = capture(model, (ids[:1], labels[:1]))
+    assert ONE_ROW in analyze_loss(one.gm, _signature(one)).why
+    two = capture(model, (ids, labels))
+    assert analyze_loss(two.gm, _signature(two)).mode == "ratio"
+    assert _check(model, (ids, labels), pieces=2, rows_proven=True) == "ratio"
+    for loss in ("softmax_rows", "amax_rows"):  # defined by the test above
+        LOSSES.setdefault("softmax_rows", lambda z, y, m: (z.softmax(0) * z).sum())
+        LOSSES.setdefault("amax_rows", lambda z, y, m: (z - z.amax(0, keepdim=True)).square().mean())
+        graph = capture(Net(loss), _batch(1, b=2))
+        assert analyze_loss(graph.gm, _signature(graph)).mode == "unproven"

@@ -302,3 +302,25 @@ def test_ep_on_four_ranks_matches_one_device(tmp_path):
             ("hf-mixtral", {"dp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 3}, True)]
     reload = {"dp": 4, "zero": 1}  # the ep2 x ZeRO-3 checkpoint loaded without ep
     assert spawn(_worker, 4, (runs, str(tmp_path), reload), timeout_s=1500) == [[], [], [], []]
+
+
+def _one_row_worker(rank: int, world: int) -> list[tuple]:
+    """One row per rank: transformers' MoE's loss is proven on its step at two rows
+    (`autopar.execution.parallelize._loss_reduction`), then trains like one device."""
+    import autopar
+
+    failures = []
+    for name, degrees in (("hf-mixtral", {"dp": 2, "ep": 2}), ("hf-qwen2-moe", {"dp": 2})):
+        build, vocab = _cases()[name]
+        model = build()
+        ref = copy.deepcopy(model)
+        batch = _batch(vocab, size=2, mask=True)
+        pm = autopar.parallelize(model, world, example_inputs=batch, layout=autopar.Layout(**degrees))
+        label = (name, pm.plan.layout.short(), "one row per rank")
+        failures += contract(pm, label) + train_and_compare(pm, ref, batch, label, steps=2, optimizers=(sgd,))
+    return failures
+
+
+@pytest.mark.slow
+def test_one_row_per_rank():
+    assert spawn(_one_row_worker, 2, timeout_s=600) == [[], []]
