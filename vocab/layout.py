@@ -308,14 +308,14 @@ def unsupported_decisions(layout: Layout) -> list[str]:
     # all-reduced (max) over cp, then over dp: global scales, as on one device)
     if layout.ep > 1:
         # the experts over ep consecutive dp ranks with all-to-alls (passes/expert_parallel.py),
-        # with DP, ZeRO 0-3 and TP (TP inside each expert, with or without SP); not yet
-        # composed with these
+        # with DP, ZeRO 0-3, TP (TP inside each expert, with or without SP) and pipelines (the
+        # ep ranks of one stage exchange tokens inside its forward and backward; the experts'
+        # gradients summed over their owners after the schedule); not yet composed with these
         with_ep = [what for what, on in (
-            (f"pipelines (pp={layout.pp})", layout.pp > 1),
             (f"context parallelism (cp={layout.cp})", layout.cp > 1),
             (f"FP8 matmuls (fp8={layout.fp8!r})", layout.fp8 != "none" or layout.precision == "fp8")) if on]
         if with_ep:
             out.append(f"expert parallelism (ep={layout.ep}) with " + ", ".join(with_ep)
-                       + " (ep runs with data parallelism, ZeRO and tensor parallelism only)")
+                       + " (ep runs with data parallelism, ZeRO, tensor parallelism and pipelines only)")
     # recompute "selective" and "full" run (passes/recompute.py), FP8 matmuls too (passes/fp8.py)
     return out
