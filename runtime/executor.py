@@ -42,7 +42,13 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from runtime.pipeline import PipelinePlan, gather_rows, reduce_data_parallel, run_pipeline_step
+from runtime.pipeline import (
+    PipelinePlan,
+    gather_rows,
+    reduce_data_parallel,
+    reduce_experts,
+    run_pipeline_step,
+)
 from vocab.plan_types import LOSS
 
 # the loss's normalisers over the whole step (`passes.loss_reduction.DENOMINATOR`)
@@ -70,6 +76,9 @@ class RankGraph:
     # ranks of ``dp`` in sets of this many sharing one batch slice, each holding partial sums of
     # its gradients (context parallelism in a pipeline): the step averages over dp / partial slices
     dp_partial: int = 1
+    # a pipeline under expert parallelism: (the rank's expert parameters, their owners' process
+    # group, its size, this rank's index in it); their gradients are summed over the owners
+    expert_owners: tuple | None = None
     # a pipeline stage's step (runtime/pipeline.py): ``gm`` is the whole rank graph, kept for
     # reading; the stage's own graphs run under the plan's schedule
     pipeline: PipelinePlan | None = None
@@ -156,18 +165,25 @@ class _PipelineStep(torch.autograd.Function):
         plan = rank_graph.pipeline
         dp, group = rank_graph.dp, rank_graph.dp_group
         sharded = set(plan.zero_sharded) if dp > 1 else set()
+        experts, owners, n_owners, owner_rank = rank_graph.expert_owners or (frozenset(), None, 1, 0)
         local = {}
         for name, p in zip(names, params):
             t = p.to_local() if isinstance(p, DTensor) else p
-            local[name] = gather_rows(t, dp, group) if name in sharded else t
+            if name in experts:  # ZeRO-1's rows of an expert: over its owners only
+                local[name] = gather_rows(t, n_owners, owners) if name in sharded and n_owners > 1 else t
+            else:
+                local[name] = gather_rows(t, dp, group) if name in sharded else t
         seeds, denominators = _seeds(rank_graph, user_inputs, buffers, user_inputs[0].device)
         loss, grads, others = run_pipeline_step(plan, local, buffers, user_inputs, seeds,
                                                 merge=merge_micro_batches,
                                                 denominators=() if denominators is None else denominators)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
-            loss, grads = reduce_data_parallel(grads, loss, dp, group, sharded.__contains__, rank,
+            mine = {p: g for p, g in grads.items() if p in experts}
+            loss, grads = reduce_data_parallel({p: g for p, g in grads.items() if p not in experts}, loss,
+                                               dp, group, sharded.__contains__, rank,
                                                partial=rank_graph.dp_partial)
+            grads.update(reduce_experts(mine, dp, owners, n_owners, owner_rank, sharded.__contains__))
         _save_grads(ctx, _as_parameters(grads, names, params))
         return _with_others(ctx, loss, others)
 

@@ -94,16 +94,25 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     index d = g ep + j is at ("dp" g, "ep" j), so the "ep" axis is an ep group (ep consecutive
     dp ranks, which exchange tokens with all-to-alls) and the "dp" axis is the owners' group
     of ep rank j (the dp/ep ranks {g ep + j} that store the same experts, over which their
-    gradients are reduced and ZeRO shards them). Made once per (mesh, ep) (every rank must
-    call it, in the same order: it creates process groups)."""
+    gradients are reduced and ZeRO shards them). Of a pipeline's ("dp", "pp", "tp") mesh: that
+    view of this rank's stage (the "dp" and "ep" axes never cross stages), cut from one
+    ("dp", "pp", "ep", "tp") mesh of the whole world so that every rank creates the same
+    groups. Made once per (mesh, ep) (every rank must call it, in the same order: it creates
+    process groups)."""
     names = tuple(mesh.mesh_dim_names or ())
-    if names != ("dp", "tp"):
-        raise ValueError(f"expert_mesh needs a ('dp', 'tp') mesh, got {names}")
-    dp, tp = mesh.shape
+    if names not in (("dp", "tp"), ("dp", "pp", "tp")):
+        raise ValueError(f"expert_mesh needs a ('dp', 'tp') or ('dp', 'pp', 'tp') mesh, got {names}")
+    dp, tp = mesh.shape[0], mesh.shape[-1]
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} does not divide the {dp} data-parallel ranks")
     if (id(mesh), ep) not in _EXPERT:
-        made = DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp // ep, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
+        if len(names) == 2:
+            made = DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp // ep, ep, tp),
+                              mesh_dim_names=("dp", "ep", "tp"))
+        else:
+            pp = mesh.shape[1]
+            grid = mesh.mesh.reshape(dp // ep, ep, pp, tp).permute(0, 2, 1, 3)
+            made = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("dp", "pp", "ep", "tp"))["dp", "ep", "tp"]
         _EXPERT[(id(mesh), ep)] = (mesh, made)
     return _EXPERT[(id(mesh), ep)][1]
 
@@ -115,11 +124,17 @@ def stacked_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """`expert_mesh` with its "ep" axis first: ("ep", "dp", "tp"). A parameter stacking E
     experts along dim 0 is held as ``Shard(0)`` over "ep" (rank j of an ep group holds experts
     [j E/ep, (j+1) E/ep)), then (ZeRO) ``Shard(0)`` over its owners' "dp" axis, which DTensor
-    applies in that order: the rows of the rank's own experts. Made once per (mesh, ep), by
-    every rank in the same order."""
+    applies in that order: the rows of the rank's own experts. Of a pipeline's mesh: that of
+    this rank's stage (cut from a ("pp", "ep", "dp", "tp") mesh of the whole world). Made once
+    per (mesh, ep), by every rank in the same order."""
     if (id(mesh), ep) not in _STACKED:
         by_ep = expert_mesh(mesh, ep)
-        made = DeviceMesh(mesh.device_type, by_ep.mesh.transpose(0, 1), mesh_dim_names=("ep", "dp", "tp"))
+        if mesh.ndim == 2:
+            made = DeviceMesh(mesh.device_type, by_ep.mesh.transpose(0, 1), mesh_dim_names=("ep", "dp", "tp"))
+        else:
+            dp, pp, tp = mesh.shape
+            grid = mesh.mesh.reshape(dp // ep, ep, pp, tp).permute(2, 1, 0, 3)
+            made = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "ep", "dp", "tp"))["ep", "dp", "tp"]
         _STACKED[(id(mesh), ep)] = (mesh, made)
     return _STACKED[(id(mesh), ep)][1]
 

@@ -437,6 +437,27 @@ def reduce_data_parallel(grads: dict[str, torch.Tensor], loss: torch.Tensor, dp:
     return flat[0].clone(), out
 
 
+def reduce_experts(grads: dict[str, torch.Tensor], dp: int, group: dist.ProcessGroup | None, owners: int,
+                   owner_rank: int, sharded: Callable[[str], bool] = lambda p: False) -> dict[str, torch.Tensor]:
+    """Expert parallelism's share of `reduce_data_parallel`: the gradients of the experts this
+    rank stores, summed over their ``owners`` (the dp/ep ranks storing them: each gradient
+    already sums its ep group's tokens) and divided by ``dp`` as the other gradients are (the
+    mean over the dp pipelines' loss); a ZeRO-1 expert keeps its rows of the owners' shards."""
+    if not grads:
+        return {}
+    names = sorted(grads)
+    flat = torch.cat([grads[p].reshape(-1) for p in names]) / dp
+    if owners > 1:
+        dist.all_reduce(flat, group=group)
+    out, offset = {}, 0
+    for p in names:
+        n = grads[p].numel()
+        g = flat[offset:offset + n].view_as(grads[p])
+        offset += n
+        out[p] = g.chunk(owners, dim=0)[owner_rank].clone() if sharded(p) and owners > 1 else g
+    return out
+
+
 def gather_rows(shard: torch.Tensor, dp: int, group: dist.ProcessGroup) -> torch.Tensor:
     """ZeRO-1: the whole (TP-local) parameter from every dp rank's rows (dim 0)."""
     out = torch.empty((shard.shape[0] * dp, *shard.shape[1:]), dtype=shard.dtype, device=shard.device)

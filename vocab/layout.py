@@ -309,13 +309,14 @@ def unsupported_decisions(layout: Layout) -> list[str]:
     if layout.ep > 1:
         # the experts over ep consecutive dp ranks (passes/expert_parallel.py: all-to-alls;
         # passes/expert_parallel_stacked.py: all-gather and reduce-scatter), with DP, ZeRO 0-3,
-        # TP (inside each expert, with or without SP) and FP8 (the experts' grouped matmuls in
-        # high precision, named in the plan); not yet composed with these
+        # TP (inside each expert, with or without SP), pipelines (the ep ranks of one stage
+        # exchange tokens inside its forward and backward; the experts' gradients summed over
+        # their owners after the schedule) and FP8 (the experts' grouped matmuls in high
+        # precision, named in the plan); not yet composed with these
         with_ep = [what for what, on in (
-            (f"pipelines (pp={layout.pp})", layout.pp > 1),
-            (f"context parallelism (cp={layout.cp})", layout.cp > 1)) if on]
+            (f"context parallelism (cp={layout.cp})", layout.cp > 1),) if on]
         if with_ep:
             out.append(f"expert parallelism (ep={layout.ep}) with " + ", ".join(with_ep)
-                       + " (ep runs with data parallelism, ZeRO, tensor parallelism and FP8 only)")
+                       + " (ep runs with data parallelism, ZeRO, tensor parallelism, pipelines and FP8 only)")
     # recompute "selective" and "full" run (passes/recompute.py), FP8 matmuls too (passes/fp8.py)
     return out

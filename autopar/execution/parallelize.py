@@ -30,12 +30,12 @@ the rank's TP heads, leaving partial gradients that the DP pass reduces over the
 (a pipeline's DP reduction sums them once per step over the dp x cp ranks); the parameters live on the
 ("dp", "tp") mesh, replicated over cp, or under ZeRO sharded over the dp x cp ranks
 (`runtime.mesh.dp_cp_mesh`). Expert parallelism
-(ep > 1, with DP, ZeRO and TP) groups every list of alike experts at capture and the expert-parallel
+(ep > 1, with DP, ZeRO, TP and pipelines) groups every list of alike experts at capture and the expert-parallel
 pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
 consecutive dp ranks, with all-to-alls; each rank stores only its experts' parameters (the
 module holds no others), on the ("dp", "tp") mesh of their owners (`runtime.mesh.expert_mesh`). Any
 other decision (ZeRO-2/3 inside a pipeline, cp with weights tied across pipeline
-stages, ep with pipelines or cp, a precision other than the model's) is an
+stages, ep with cp, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
 
 The loss trains as on one device wherever the layout splits the batch (data parallelism,
@@ -218,7 +218,8 @@ def parallelize(
         params_mesh = dp_cp_mesh(mesh)
     meshes = None
     if lay.ep > 1:  # each rank stores its own experts only, on their owners' ("dp", "tp") mesh
-        held = set(state.signature.placeholder_of("param"))
+        stored = set(state.signature.placeholder_of("param"))
+        held = stored if held is None else stored & held  # under a pipeline: of the rank's stage
         meshes = dict.fromkeys(state.expert_params, expert_mesh(mesh, lay.ep)["dp", "tp"])
         meshes.update(dict.fromkeys(state.stacked_experts, stacked_expert_mesh(mesh, lay.ep)))
     unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held, meshes)
@@ -240,6 +241,12 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
         # once per step over the dp x cp ranks after the schedule, as the cost model prices it
         # (ZeRO-1: each rank keeps its rows of the dp x cp shards)
         dp, group, partial = lay.dp * lay.cp, dp_cp_mesh(state.mesh)["dp"].get_group(), lay.cp
+    owners = None
+    if lay.pp > 1 and lay.ep > 1:
+        # a pipeline under ep: the experts' gradients are summed after the schedule over their
+        # owners (the dp/ep ranks of the stage storing them), ZeRO-1's rows over those ranks
+        owners = expert_mesh(state.mesh, lay.ep)["dp"]
+        owners = (state.expert_params, owners.get_group(), owners.size(), owners.get_local_rank())
     return RankGraph(
         gm=state.gm,
         inputs=[(kind, name[len("input"):] if kind == "input" else name) for kind, name in inputs],
@@ -252,6 +259,7 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
         dp=dp,
         dp_group=group,
         dp_partial=partial,
+        expert_owners=owners,
         pipeline=state.pipeline,
         other_index=list(state.others),
     )
@@ -334,7 +342,7 @@ def _executable(layout: Layout, precision: str, refused: Sequence[str] = ()) -> 
             f"layout {layout.short()}: autopar.parallelize does not execute "
             + "; ".join(missing) + " yet. Drop what is named (each says what runs today: DP, ZeRO, "
             "TP+SP, pipelines with ZeRO 0/1, cp with DP, ZeRO, TP+SP, pipelines and FP8, ep with DP, "
-            "ZeRO, TP+SP and FP8, any recompute, the model's precision), or use the plan for its predictions")
+            "ZeRO, TP+SP, pipelines and FP8, any recompute, the model's precision), or use the plan for its predictions")
 
 
 def _one_plan(choose: Callable[[], Plan]) -> Plan:

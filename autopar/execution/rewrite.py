@@ -15,7 +15,9 @@ the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, a
 4b. ``expert_parallel`` (ep > 1): each rank runs its share of every grouped expert list on the
    tokens of ep consecutive dp ranks, with all-to-alls, and stores only those experts (the
    others' parameters leave the graph); before recompute (whose chains then start from the
-   all-to-alls) and before DP (which reduces the experts' gradients over their owners' group).
+   all-to-alls) and before DP (which reduces the experts' gradients over their owners' group;
+   under a pipeline the runtime does, after the schedule) and the pipeline split (which puts
+   each block's all-to-alls on its stage).
 5. ``fp8_scales``: after TP (whose DTensors reduce a sharded amax over TP), the DP ranks'
    amaxes all-reduced, so that the scales are those of the whole batch, as on one device.
 6. ``recompute``: after TP, so that the rebuilt chains start from TP's collectives and never

@@ -77,14 +77,32 @@ def test_refusals():
 
 
 def test_what_runs_under_ep():
-    """ep runs with DP, ZeRO, TP and FP8; with pipelines or CP it is refused, naming the combination."""
+    """ep runs with DP, ZeRO, TP, pipelines and FP8; with CP it is refused, naming the combination."""
     assert unsupported_decisions(Layout(dp=4, ep=2)) == []
     assert unsupported_decisions(Layout(dp=2, ep=2, zero=3)) == []
     assert unsupported_decisions(Layout(dp=2, ep=2, tp=2, sp=True, zero=1)) == []
+    assert unsupported_decisions(Layout(dp=2, ep=2, pp=2, zero=1)) == []
     assert unsupported_decisions(Layout(dp=2, ep=2, fp8="all")) == []
-    for extra, words in (({"pp": 2}, "pipelines"), ({"cp": 2}, "context parallelism")):
+    for extra, words in (({"cp": 2}, "context parallelism"), ({"pp": 2, "cp": 2}, "context parallelism")):
         (why,) = unsupported_decisions(Layout(dp=2, ep=2, **extra))
         assert "expert parallelism (ep=2) with" in why and words in why, why
+
+
+def test_expert_meshes_of_a_pipeline_stay_in_the_stage():
+    """Of a ("dp", "pp", "tp") mesh (dp4 pp2 tp2, rank (d, p, t) at 4d + 2p + t), the expert
+    meshes are the rank's stage's: its ep group is ep consecutive dp ranks of its stage and TP
+    index, its owners every ep-th of them; the stacked view puts "ep" first."""
+    from runtime.mesh import expert_mesh, fake_world, init_mesh, stacked_expert_mesh
+
+    with fake_world(16, rank=6):  # (d, p, t) = (1, 1, 0)
+        mesh = init_mesh((4, 2, 2), ("dp", "pp", "tp"))
+        by_ep = expert_mesh(mesh, 2)
+        assert by_ep.mesh_dim_names == ("dp", "ep", "tp")
+        assert by_ep["ep"].mesh.tolist() == [2, 6] and by_ep["dp"].mesh.tolist() == [6, 14]
+        assert by_ep["dp", "tp"].mesh.tolist() == [[6, 7], [14, 15]]
+        stacked = stacked_expert_mesh(mesh, 2)
+        assert stacked.mesh_dim_names == ("ep", "dp", "tp")
+        assert stacked.mesh.tolist() == by_ep.mesh.transpose(0, 1).tolist()
 
 
 def test_local_experts_reduced_and_sharded_over_their_owners():

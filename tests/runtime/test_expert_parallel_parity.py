@@ -13,7 +13,9 @@ in the default suite; 4 ranks (ep2 in two groups of dp4, whose experts' owners a
 over which ZeRO 1-3 shard them, also with full recompute, and ep4; and ep2 x tp2, with and
 without SP, with ZeRO-1 and ZeRO-3: TP shards each expert, each TP rank dispatching its tokens
 to the ep ranks of its own TP index) under ``slow``. The rank's graph holds the all-to-alls
-(`dump_graph` names them).
+(`dump_graph` names them). In a pipeline (dp2 x ep2 x pp2, slow): each stage's ep ranks
+exchange tokens inside its forward and backward, the experts' gradients are summed over their
+owners after the schedule.
 
 Each rank stores only its E/ep experts (`_storage`): its expert parameters are 1/ep of them,
 on the mesh of their dp/ep owners, and every rank's together are the model's; the gradients
@@ -116,18 +118,27 @@ def _cases():
 
 
 def _storage(pm, ref, label, ep: int, dp: int, tp: int = 1) -> list[tuple]:
-    """The rank holds 1/ep of the experts' parameters, on their owners' mesh of dp/ep ranks
-    (x tp: TP shards each expert); the ranks' names together are the model's."""
+    """The rank holds 1/ep of the experts' parameters (under a pipeline, of its stage's: each
+    expert parameter is on its dp/ep owners x tp ranks only), on their owners' mesh of dp/ep
+    ranks (x tp: TP shards each expert); the ranks' names together are the model's."""
+    import collections
+
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     failures = []
     mine = {n for n, _ in pm.named_parameters()}
     stacked = {n: p for n, p in pm.named_parameters() if "ep" in (p.device_mesh.mesh_dim_names or ())}
-    experts = {n for n, _ in ref.named_parameters() if ".experts." in n} - set(stacked)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(stacked))  # every rank of a stage holds their rows
+    experts = {n for n, _ in ref.named_parameters() if ".experts." in n} - set().union(*map(set, everyone))
     held = mine & experts
-    if len(held) * ep != len(experts):
+    dist.all_gather_object(everyone, sorted(held))
+    copies = collections.Counter(n for names in everyone for n in names)
+    if pm.plan.layout.pp == 1 and len(held) * ep != len(experts):
         failures.append((*label, f"holds {len(held)} of {len(experts)} expert parameters, not 1/{ep}"))
+    if set(copies) != experts or any(n != dp // ep * tp for n in copies.values()):
+        failures.append((*label, f"expert parameters not each on their {dp // ep} owners x tp{tp}"))
     meshes = {p.device_mesh.size() for n, p in pm.named_parameters() if n in held}
     if held and meshes != {dp // ep * tp}:
         failures.append((*label, f"experts on meshes of {meshes} ranks, not their {dp // ep} owners x tp{tp}"))
@@ -135,7 +146,6 @@ def _storage(pm, ref, label, ep: int, dp: int, tp: int = 1) -> list[tuple]:
         mesh = p.device_mesh
         if (mesh["ep"].size(), mesh["dp"].size(), p.placements[0]) != (ep, dp // ep, Shard(0)):
             failures.append((*label, f"{name} is not its rows over ep{ep} on its {dp // ep} owners"))
-    everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(mine))
     if set().union(*map(set, everyone)) != {n for n, _ in ref.named_parameters()}:
         failures.append((*label, "the ranks' parameters together are not the model's"))
@@ -181,7 +191,8 @@ def _whole_state(pm, ref, label, path: str | None) -> tuple[list[tuple], dict]:
         pm(*_batch(64))
         failures.append((*label, "pm.eval() ran on a rank holding a share of the experts"))
     except InputError as exc:
-        if "expert parallelism" not in str(exc) or "full_state_dict" not in str(exc):
+        refused = "pipeline" if pm.plan.layout.pp > 1 else "expert parallelism"  # either names the fix
+        if refused not in str(exc) or "full_state_dict" not in str(exc):
             failures.append((*label, "eval refusal does not name the fix", str(exc)))
     pm.train()
     return failures, whole
@@ -324,3 +335,23 @@ def _one_row_worker(rank: int, world: int) -> list[tuple]:
 @pytest.mark.slow
 def test_one_row_per_rank():
     assert spawn(_one_row_worker, 2, timeout_s=600) == [[], []]
+
+
+@pytest.mark.slow
+def test_ep_in_a_pipeline_matches_one_device(tmp_path):
+    """dp2 x ep2 x pp2: each stage's ep ranks (one per data-parallel pipeline) exchange tokens
+    inside the stage's forward and backward, the experts' gradients summed over their owners
+    after the schedule (one rank each here: a sum over the dp group would add other experts'),
+    ZeRO-1's rows over the dp ranks; lists of experts and transformers' stacked ones."""
+    runs = [("tiny-mixtral", {"dp": 2, "ep": 2, "pp": 2, "schedule": "1f1b", "grad_accum": 2}, False),
+            ("top2-moe", {"dp": 2, "ep": 2, "pp": 2, "zero": 1, "grad_accum": 2}, True),
+            ("hf-mixtral", {"dp": 2, "ep": 2, "pp": 2, "grad_accum": 2}, True)]
+    assert spawn(_worker, 4, (runs, str(tmp_path)), timeout_s=900) == [[], [], [], []]
+
+
+@pytest.mark.slow
+def test_ep_in_a_pipeline_on_eight_ranks(tmp_path):
+    """dp4 x ep2 x pp2: each expert on 2 owners per stage, its gradient all-reduced over them
+    after the schedule (`runtime.pipeline.reduce_experts`), ZeRO-1's rows over them."""
+    runs = [("top2-moe", {"dp": 4, "ep": 2, "pp": 2, "zero": 1, "grad_accum": 2}, True)]
+    assert spawn(_worker, 8, (runs, str(tmp_path)), timeout_s=900) == [[]] * 8
