@@ -51,7 +51,8 @@ CASES = {
                ("hf-gpt2", "tensorwise", {"dp": 2, "zero": 3}), ("hf-phi3", "rowwise", {"dp": 2})],
     "4": [("tiny-llama", "tensorwise", {"dp": 4, "zero": 3}), ("tiny-llama", "tensorwise", {"dp": 2, "tp": 2, "sp": True}),
           ("tiny-gpt2", "tensorwise", {"dp": 4}), ("plain", "rowwise", {"dp": 4}),
-          ("tiny-llama", "rowwise", {"pp": 2, "dp": 2, "grad_accum": 1})],
+          ("tiny-llama", "rowwise", {"pp": 2, "dp": 2, "grad_accum": 1}),
+          ("tiny-mixtral", "tensorwise", {"dp": 2, "ep": 2, "pp": 2, "grad_accum": 1})],  # experts high
     # context parallelism: the FP8 matmuls on the rank's tokens (a weight gradient, tokens along
     # K, a partial sum over cp), amaxes over tokens reduced over cp (and dp). Rowwise (e4m3
     # gradients) on "tokens", a model without attention: ring attention sums in another order
