@@ -30,10 +30,13 @@ the rank's TP heads, leaving partial gradients that the DP pass reduces over the
 (a pipeline's DP reduction sums them once per step over the dp x cp ranks); the parameters live on the
 ("dp", "tp") mesh, replicated over cp, or under ZeRO sharded over the dp x cp ranks
 (`runtime.mesh.dp_cp_mesh`). Expert parallelism
-(ep > 1, with DP, ZeRO, TP and pipelines) groups every list of alike experts at capture and the expert-parallel
-pass (passes/expert_parallel.py) runs each rank's share of the experts on the tokens of ep
-consecutive dp ranks, with all-to-alls; each rank stores only its experts' parameters (the
-module holds no others), on the ("dp", "tp") mesh of their owners (`runtime.mesh.expert_mesh`). Any
+(ep > 1, with DP, ZeRO, TP, pipelines and FP8) groups every list of alike experts at capture and
+the expert-parallel pass (passes/expert_parallel.py) runs each rank's share of the experts on the
+tokens of ep consecutive dp ranks, with all-to-alls; each rank stores only its experts' parameters
+(the module holds no others), on the ("dp", "tp") mesh of their owners (`runtime.mesh.expert_mesh`).
+Experts stacked in one parameter (transformers' MoE blocks) are dispatched by all-gather and
+combined by reduce-scatter (passes/expert_parallel_stacked.py), each rank holding its rows of the
+parameter (`runtime.mesh.stacked_expert_mesh`). Any
 other decision (ZeRO-2/3 inside a pipeline, cp with weights tied across pipeline
 stages, ep with cp, a precision other than the model's) is an
 `UnsupportedLayoutError` naming it: a plan runs exactly as planned or not at all.
