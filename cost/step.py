@@ -172,8 +172,8 @@ def check_layout(facts: StepFacts, cluster: Cluster, layout: Layout) -> None:
         raise LayoutError(
             f"ep={layout.ep} needs a mixture-of-experts model whose expert count it divides "
             f"(this model has {facts.n_experts} experts; experts are counted as a list of expert "
-            "modules, one per expert, or as transformers' grouped experts stacked in one parameter "
-            "and captured in fp32): use ep=1, or an ep that divides the expert count"
+            "modules, one per expert, or as grouped matmuls over experts stacked in one parameter, "
+            "as transformers' MoE blocks run them): use ep=1, or an ep that divides the expert count"
         )
     if isinstance(layout.recompute, tuple):
         known = set(facts.recompute_groups)

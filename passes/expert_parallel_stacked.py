@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -91,17 +91,6 @@ def has_stacked_experts(gm: fx.GraphModule) -> bool:
     return any(is_grouped_forward(n) for n in gm.graph.nodes)
 
 
-def stacked_expert_params(gm: fx.GraphModule) -> dict[str, int]:
-    """Placeholder name -> E of every stacked expert parameter the grouped matmuls read."""
-    out = {}
-    for n in gm.graph.nodes:
-        if is_grouped(n) and _weight_arg(n) is not None:
-            param, _ = _weight_source(_weight_arg(n))
-            if param is not None:
-                out[param.name] = int(param.meta["val"].shape[0])
-    return out
-
-
 @dataclass
 class StackedExperts:
     """What the rewrite will do to a captured graph, for the cost model: per MoE layer its
@@ -110,19 +99,21 @@ class StackedExperts:
     in the backward); the nodes computing on the ep group's rows (``rows``: the routed input
     and every node of the layers, ep times their rows under ep), the forward values among them
     (``saved``) and the grouped matmuls (``grouped``: they compute only the rank's experts'
-    rows); and the routed rows T of one layer (tokens x top-k)."""
+    rows); the routed rows T of one layer (tokens x top-k); and the stacked parameters
+    (placeholder name -> E)."""
 
-    io: list[tuple[str, int]]
-    rows: set[str]
-    saved: set[str]
-    grouped: set[str]
-    routed: int
+    io: list[tuple[str, int]] = field(default_factory=list)
+    rows: set[str] = field(default_factory=set)
+    saved: set[str] = field(default_factory=set)
+    grouped: set[str] = field(default_factory=set)
+    routed: int = 0
+    params: dict[str, int] = field(default_factory=dict)
 
 
 def stacked_experts(gm: fx.GraphModule) -> StackedExperts:
     """`StackedExperts` of ``gm`` (empty without grouped experts); `StackedExpertError` where
     a layer is not in the form the rewrite runs."""
-    found = StackedExperts([], set(), set(), set(), 0)
+    found = StackedExperts()
     for layer in _layers(gm, "expert parallelism"):
         x, y = layer.x.meta["val"], layer.y.meta["val"]
         found.io.append((layer.y.name, x.numel() * x.element_size() + y.numel() * y.element_size()))
@@ -130,6 +121,7 @@ def stacked_experts(gm: fx.GraphModule) -> StackedExperts:
         found.rows |= found.saved | {n.name for n in layer.bwd}
         found.grouped |= {n.name for n in layer.fwd + layer.bwd if is_grouped(n)}
         found.routed = max(found.routed, int(x.shape[0]))
+        found.params.update({w.name: int(w.meta["val"].shape[0]) for w in layer.weights})
     return found
 
 
@@ -151,24 +143,21 @@ def _offsets(node: fx.Node) -> fx.Node:
 
 def _between(ops: list[fx.Node]) -> set[fx.Node]:
     """``ops`` and every node on a path from one of them to another (the row-wise ops)."""
-    ops_set = set(ops)
-    down: set[fx.Node] = set()
-    todo = list(ops)
+    down = _reach(ops, lambda n: n.users)
+    up = _reach(ops, lambda n: n.all_input_nodes)
+    return set(ops) | (down & up)
+
+
+def _reach(start: list[fx.Node], step) -> set[fx.Node]:
+    """Every node reached from ``start`` by repeated ``step`` (users, or inputs)."""
+    seen: set[fx.Node] = set()
+    todo = list(start)
     while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u not in down:
-                down.add(u)
-                todo.append(u)
-    up: set[fx.Node] = set()
-    todo = list(ops)
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a not in up:
-                up.add(a)
-                todo.append(a)
-    return ops_set | (down & up)
+        for nxt in step(todo.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
 
 
 def _layers(gm: fx.GraphModule, where: str) -> list[_Layer]:

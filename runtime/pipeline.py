@@ -428,13 +428,7 @@ def reduce_data_parallel(grads: dict[str, torch.Tensor], loss: torch.Tensor, dp:
     names = sorted(grads)
     flat = torch.cat([loss.reshape(1) / partial] + [grads[p].reshape(-1) for p in names]) * (partial / dp)
     dist.all_reduce(flat, group=group)
-    out, offset = {}, 1
-    for p in names:
-        n = grads[p].numel()
-        g = flat[offset:offset + n].view_as(grads[p])
-        offset += n
-        out[p] = g.chunk(dp, dim=0)[dp_rank].clone() if sharded(p) else g
-    return flat[0].clone(), out
+    return flat[0].clone(), _unflatten(flat[1:], grads, names, sharded, dp, dp_rank)
 
 
 def reduce_experts(grads: dict[str, torch.Tensor], dp: int, group: dist.ProcessGroup | None, owners: int,
@@ -449,12 +443,19 @@ def reduce_experts(grads: dict[str, torch.Tensor], dp: int, group: dist.ProcessG
     flat = torch.cat([grads[p].reshape(-1) for p in names]) / dp
     if owners > 1:
         dist.all_reduce(flat, group=group)
+    return _unflatten(flat, grads, names, lambda p: sharded(p) and owners > 1, owners, owner_rank)
+
+
+def _unflatten(flat: torch.Tensor, grads: dict[str, torch.Tensor], names: list[str],
+               sharded: Callable[[str], bool], ranks: int, rank: int) -> dict[str, torch.Tensor]:
+    """``grads``' shapes read back from ``flat`` (``names``' order); a ZeRO-sharded gradient
+    keeps this rank's rows of ``ranks``."""
     out, offset = {}, 0
     for p in names:
         n = grads[p].numel()
         g = flat[offset:offset + n].view_as(grads[p])
         offset += n
-        out[p] = g.chunk(owners, dim=0)[owner_rank].clone() if sharded(p) and owners > 1 else g
+        out[p] = g.chunk(ranks, dim=0)[rank].clone() if sharded(p) else g
     return out
 
 

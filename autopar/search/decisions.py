@@ -137,11 +137,8 @@ def _fp8_fused_high(facts: StepFacts, layout: Layout) -> list[str]:
     fused projection, `fp8_candidates`): named in the plan so that nothing is kept silently."""
     if not layout.uses_fp8 or layout.tp == 1:
         return []
-    asked = layout.fp8
     names = {w for w in facts.nodes.fp8_weight.tolist() if w and facts.param_tp_parts.get(w, 1) > 1}
-    if isinstance(asked, (tuple, list)):  # only the weights (or block-tied groups) asked for
-        names = {w for w in names if w in asked or fp8_group(w) in asked}
-    return sorted(names)
+    return _asked(names, layout)
 
 
 def _fp8_expert_high(facts: StepFacts, layout: Layout) -> list[str]:
@@ -151,8 +148,13 @@ def _fp8_expert_high(facts: StepFacts, layout: Layout) -> list[str]:
     if not layout.uses_fp8:
         return []
     candidates = set(facts.nodes.fp8_weight[fp8_candidates(facts, layout)].tolist())
-    names = {w for w, e in facts.params.expert.items() if e and w not in candidates}
-    if isinstance(layout.fp8, (tuple, list)):  # only the weights (or block-tied groups) asked for
+    return _asked({w for w, e in facts.params.expert.items() if e and w not in candidates}, layout)
+
+
+def _asked(names: set[str], layout: Layout) -> list[str]:
+    """``names`` the layout asks FP8 of: all of them, or (a list) the weights or block-tied
+    groups it names."""
+    if isinstance(layout.fp8, (tuple, list)):
         names = {w for w in names if w in layout.fp8 or fp8_group(w) in layout.fp8}
     return sorted(names)
 

@@ -22,12 +22,7 @@ from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, TPRecipe, find_tp_recipe
 from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
-from passes.expert_parallel_stacked import (
-    StackedExpertError,
-    StackedExperts,
-    stacked_expert_params,
-    stacked_experts,
-)
+from passes.expert_parallel_stacked import StackedExpertError, StackedExperts, stacked_experts
 from passes.fp8 import cast_shares, weight_matmuls
 from passes.pipeline_split import weight_half_reads
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
@@ -516,9 +511,9 @@ def _stacked_experts(graph: TrainingGraph, parts: GraphParts) -> tuple[dict[str,
     try:
         found = stacked_experts(graph.gm)
     except StackedExpertError:
-        return {}, gather, StackedExperts([], set(), set(), set(), 0)
+        return {}, gather, StackedExperts()
     names = {i.node: i.name for i in graph.inputs if i.kind == "param"}
-    stacked = {names[node]: e for node, e in stacked_expert_params(graph.gm).items() if node in names}
+    stacked = {names[node]: e for node, e in found.params.items() if node in names}
     for y, nbytes in found.io:
         gather[parts.layer_eff[y] + 1] += nbytes
     return stacked, gather, found
