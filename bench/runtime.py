@@ -320,8 +320,11 @@ def _worker(rank: int, world: int, cfg, batch_size: int, seq: int, warmup: int, 
         row = {"layout": label, "degrees": plan.layout.short(), "predicted_s": plan.predicted.step_time_s,
                "measured_s": measured, "hand_written_s": hand_s,
                "autopar_over_hand": measured / hand_s if hand_s else None, "samples_s": samples}
-        if plan.layout.tp > 1:
+        if plan.layout.pp == 1:  # a pipeline's p2p and reduction are not functional collectives
+            tb = plan.predicted.time_breakdown
             row["comm_waits_s"] = _comm_waits(step, repeat)
+            row["comm_exposed_predicted_s"] = sum(tb[k] for k in EXPOSED_COMM)
+            row["comm_total_predicted_s"] = tb["dp_comm_total_s"] + sum(tb[k] for k in EXPOSED_COMM[1:])
         if plan.layout.cp > 1:
             row["ring_exposed_measured_s"] = _ring_exposed(step, repeat)
             row["ring_exposed_predicted_s"] = plan.predicted.time_breakdown["cp_comm_exposed_s"]
@@ -367,6 +370,11 @@ def _overlap(on: bool):
             del os.environ[ENV_SWITCH]
         else:
             os.environ[ENV_SWITCH] = before
+
+
+# the predicted step's communication terms that no compute hides (dp: the exposed part of its
+# whole sync, `dp_comm_total_s`; on CPU ranks the two are equal: `cost.terms.common.comm_overlap`)
+EXPOSED_COMM = ("dp_comm_exposed_s", "tp_comm_s", "cp_comm_exposed_s", "ep_comm_s")
 
 
 def _comm_waits(step, repeat: int) -> float:
@@ -561,10 +569,27 @@ def format_runtime_bench(result: dict) -> str:
             f"layouts: {result['spearman_predicted_vs_measured']:.2f} "
             f"({result.get('spearman_without_pipelines', float('nan')):.2f} without the pipelines)"
             + _overhead_line(result)
+            + _exposed_lines(result)
             + _overlap_lines(result)
             + _idle_lines(result)
             + _ring_lines(result)
             + _sample_line(result))
+
+
+def _exposed_lines(result: dict) -> str:
+    """Per layout without a pipeline: the communication the step did not hide, measured (the
+    slowest rank's time blocked in collective waits) against predicted, and the share of the
+    predicted communication the prediction hides."""
+    rows = [r for r in result["rows"] if "comm_exposed_predicted_s" in r and "no overlap" not in r["layout"]]
+    if not rows:
+        return ""
+    body = [[r["layout"], fmt_time(r["comm_waits_s"]), fmt_time(r["comm_exposed_predicted_s"]),
+             _ratio(r["comm_exposed_predicted_s"] / r["comm_waits_s"] if r["comm_waits_s"] > 0 else None),
+             _ratio(1 - r["comm_exposed_predicted_s"] / r["comm_total_predicted_s"]
+                    if r["comm_total_predicted_s"] > 0 else None)] for r in rows]
+    return ("\n\nexposed communication per step (measured: the slowest rank blocked in collective waits)\n"
+            + table(["layout", "measured", "predicted", "predicted / measured", "predicted hidden share"],
+                    body, "lrrrr"))
 
 
 def _ring_lines(result: dict) -> str:

@@ -273,7 +273,7 @@ def predict(
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),
                                    float(bwd[slowest]), float(recomp[slowest]),
                                    float(tp_hidden_fwd[slowest]), float(tp_hidden_bwd[slowest]),
-                                   copied, worst_experts)
+                                   copied, worst_experts, facts.pipeline_reduce_hidden)
     syncs = dp_step_syncs(cluster, lay, facts.counts_tokens)  # the token count, the loss
     dp_exposed, dp_total = dp_exposed + syncs, dp_total + syncs
     optimizer_s = optimizer_time(cluster, lay, worst_params, worst_experts)

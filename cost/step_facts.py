@@ -221,6 +221,11 @@ class StepFacts:
     # (`cost.terms.recompute.framework_kept`); gradients accumulate straight into the fp32
     # buffer, no bf16 copy beside it (`cost.precision.recipe`'s ``fused_accum``)
     framework_memory: bool = False
+    # a pipeline's data-parallel reduction hides behind its last micro-batch's backward, as
+    # Megatron-LM's overlapped gradient buckets run it (`RunPricer` prices measured runs so);
+    # False: autopar's pipeline runtime reduces after the schedule
+    # (`runtime.pipeline.reduce_data_parallel`), where nothing hides it
+    pipeline_reduce_hidden: bool = False
     # what the cost model derives from these facts and reuses across layouts (`cost.facts_cache`;
     # not an init argument: a copy made by `rebatch` or `dataclasses.replace` starts empty)
     cache: FactsCache = field(default_factory=FactsCache, init=False, repr=False, compare=False)

@@ -44,6 +44,8 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from passes.fake_nodes import call_node as _node
+from passes.fake_nodes import fake_value as _compute
 from passes.grouped_matmul import (
     is_grouped,
     is_grouped_forward,
@@ -230,35 +232,6 @@ def _layer(offs: fx.Node, ops: list[fx.Node], where: str) -> _Layer:
     order = {n: i for i, n in enumerate(offs.graph.nodes)}
     return _Layer(offs, sorted(fwd, key=order.__getitem__), sorted(bwd, key=order.__getitem__), weights,
                   x, ys[0], dy, dxs[0], dws)
-
-
-def _node(graph: fx.Graph, op, args: tuple, meta: dict, reason: str | None = None,
-          kwargs: dict | None = None, compute: bool = True) -> fx.Node:
-    """A call node with ``meta``, its fake value computed on its arguments' (``compute``; else
-    left for `_repropagate`)."""
-    node = graph.call_function(op, args, kwargs or {})
-    node.meta.update(meta)
-    if reason:
-        node.meta["autopar"] = reason
-    if compute:
-        _compute(node)
-    return node
-
-
-def _compute(node: fx.Node) -> None:
-    """``node``'s fake value from its arguments' (a collective's by its shape rule: the fake
-    process group answers no traced call here)."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
-    if node.target is c10d.all_gather_into_tensor.default:
-        val, n = args[0], args[1]
-        node.meta["val"] = val.new_empty((n * val.shape[0], *val.shape[1:]))
-    elif node.target is c10d.reduce_scatter_tensor.default:
-        val, n = args[0], args[2]
-        node.meta["val"] = val.new_empty((val.shape[0] // n, *val.shape[1:]))
-    elif node.target is c10d.wait_tensor.default:
-        node.meta["val"] = args[0]
-    else:
-        node.meta["val"] = node.target(*args, **kwargs)
 
 
 def _collective(graph: fx.Graph, op, args: tuple, meta: dict, reason: str, compute: bool = True) -> fx.Node:

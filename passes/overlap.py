@@ -127,7 +127,7 @@ def _issue_early(c: fx.Node, window: int) -> int:
     independent: list[fx.Node] = []
     n = c.prev
     for _ in range(window):
-        if n.op == "root" or is_collective(n) or _barrier(n) or is_backward(n) != phase:
+        if n.op == "root" or is_collective(n) or is_barrier(n) or is_backward(n) != phase:
             break
         if any(u in needed for u in n.users):
             if is_wait(n):  # a wait c needs stays before it: its own overlap is not shortened
@@ -204,7 +204,7 @@ def _writes(node: fx.Node) -> bool:
     return custom or _mutates(node)
 
 
-def _barrier(node: fx.Node) -> bool:
+def is_barrier(node: fx.Node) -> bool:
     """A node no issue's window crosses (the module docstring lists them)."""
     if node.op == "get_attr":
         return False

@@ -182,8 +182,10 @@ class _PipelineStep(torch.autograd.Function):
             mine = {p: g for p, g in grads.items() if p in experts}
             loss, grads = reduce_data_parallel({p: g for p, g in grads.items() if p not in experts}, loss,
                                                dp, group, sharded.__contains__, rank,
-                                               partial=rank_graph.dp_partial)
-            grads.update(reduce_experts(mine, dp, owners, n_owners, owner_rank, sharded.__contains__))
+                                               partial=rank_graph.dp_partial,
+                                               reduce_scatter=plan.reduce_scatter)
+            grads.update(reduce_experts(mine, dp, owners, n_owners, owner_rank, sharded.__contains__,
+                                        reduce_scatter=plan.reduce_scatter))
         _save_grads(ctx, _as_parameters(grads, names, params))
         return _with_others(ctx, loss, others)
 

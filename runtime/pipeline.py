@@ -23,7 +23,8 @@ summed over the micro-batches it is the step's loss, sent to every stage of the 
 A parameter read on several stages (a tied embedding and head) is held by each of them; after
 the step their gradient parts are summed over those ranks (`PipelinePlan.shared_groups`).
 Data parallelism around the pipeline reduces the step's summed gradients once, after the
-schedule (`reduce_data_parallel`), as DDP's ``no_sync`` does over micro-batches.
+schedule (`reduce_data_parallel`), as DDP's ``no_sync`` does over micro-batches: nothing hides
+that reduction (the cost model prices it exposed).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ class PipelinePlan:
     # shared parameter -> the group of the ranks that hold it (this rank among them)
     shared_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     zero_sharded: list[str] = field(default_factory=list)  # ZeRO-1: rows over the dp ranks
+    reduce_scatter: bool = False  # ZeRO-1's gradients reduce-scattered (`reduce_data_parallel`)
 
     @property
     def stages(self) -> list[int]:
@@ -417,33 +419,74 @@ def _empty(val, device) -> torch.Tensor:
 
 def reduce_data_parallel(grads: dict[str, torch.Tensor], loss: torch.Tensor, dp: int,
                          group: dist.ProcessGroup, sharded: Callable[[str], bool] = lambda p: False,
-                         dp_rank: int = 0, partial: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         dp_rank: int = 0, partial: int = 1,
+                         reduce_scatter: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The mean over the ``dp`` data-parallel pipelines of the step's loss and gradients (one
     all-reduce of all gradients, flattened; a ZeRO-sharded parameter keeps its rows).
 
     ``partial``: the ranks come in sets of that many sharing one batch slice (context
     parallelism's cp ranks), each holding a partial sum of the slice's gradients and the slice's
     whole loss: the gradients are summed over all ranks and divided by the dp / partial slices,
-    the loss averaged over all dp ranks."""
+    the loss averaged over all dp ranks. ``reduce_scatter``: the ZeRO-sharded gradients are
+    reduce-scattered instead (`reduce_rows`, half an all-reduce's traffic, as the cost model
+    prices ZeRO-1 on GPUs: `CommPlan.reduce_scatter`), the rest all-reduced."""
     names = sorted(grads)
-    flat = torch.cat([loss.reshape(1) / partial] + [grads[p].reshape(-1) for p in names]) * (partial / dp)
+    rows = [p for p in names if reduce_scatter and dp > 1 and sharded(p)]
+    whole = [p for p in names if p not in rows]
+    flat = torch.cat([loss.reshape(1) / partial] + [grads[p].reshape(-1) for p in whole]) * (partial / dp)
     dist.all_reduce(flat, group=group)
-    return flat[0].clone(), _unflatten(flat[1:], grads, names, sharded, dp, dp_rank)
+    out = _unflatten(flat[1:], grads, whole, sharded, dp, dp_rank)
+    if rows:
+        out.update(reduce_rows({p: grads[p] * (partial / dp) for p in rows}, dp, dp_rank, group))
+    return flat[0].clone(), out
 
 
 def reduce_experts(grads: dict[str, torch.Tensor], dp: int, group: dist.ProcessGroup | None, owners: int,
-                   owner_rank: int, sharded: Callable[[str], bool] = lambda p: False) -> dict[str, torch.Tensor]:
+                   owner_rank: int, sharded: Callable[[str], bool] = lambda p: False,
+                   reduce_scatter: bool = False) -> dict[str, torch.Tensor]:
     """Expert parallelism's share of `reduce_data_parallel`: the gradients of the experts this
     rank stores, summed over their ``owners`` (the dp/ep ranks storing them: each gradient
     already sums its ep group's tokens) and divided by ``dp`` as the other gradients are (the
-    mean over the dp pipelines' loss); a ZeRO-1 expert keeps its rows of the owners' shards."""
+    mean over the dp pipelines' loss); a ZeRO-1 expert keeps its rows of the owners' shards
+    (reduce-scattered to it with ``reduce_scatter``)."""
     if not grads:
         return {}
     names = sorted(grads)
-    flat = torch.cat([grads[p].reshape(-1) for p in names]) / dp
-    if owners > 1:
-        dist.all_reduce(flat, group=group)
-    return _unflatten(flat, grads, names, lambda p: sharded(p) and owners > 1, owners, owner_rank)
+    rows = [p for p in names if reduce_scatter and owners > 1 and sharded(p)]
+    whole = [p for p in names if p not in rows]
+    out = reduce_rows({p: grads[p] / dp for p in rows}, owners, owner_rank, group) if rows else {}
+    if whole:
+        flat = torch.cat([grads[p].reshape(-1) for p in whole]) / dp
+        if owners > 1:
+            dist.all_reduce(flat, group=group)
+        out.update(_unflatten(flat, grads, whole, lambda p: sharded(p) and owners > 1, owners, owner_rank))
+    return out
+
+
+def reduce_rows(grads: dict[str, torch.Tensor], ranks: int, rank: int,
+                group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Each gradient summed over the ``ranks`` of ``group``, this rank receiving only its rows:
+    the dim-0 piece ``g.chunk(ranks)[rank]`` that ZeRO's ``Shard(0)`` stores (ceil(n / ranks)
+    rows per piece, the last ones shorter or empty). One reduce-scatter of a buffer holding,
+    for each rank in turn, its piece of every gradient padded to the full piece."""
+    names = sorted(grads)
+    piece = {p: -(-grads[p].shape[0] // ranks) for p in names}
+    width = {p: grads[p][0].numel() if grads[p].shape[0] else 0 for p in names}
+    send = []
+    for r in range(ranks):
+        for p in names:
+            part = grads[p][r * piece[p]:(r + 1) * piece[p]].reshape(-1)
+            send.append(nn.functional.pad(part, (0, piece[p] * width[p] - part.numel())))
+    send = torch.cat(send)
+    out = torch.empty(send.numel() // ranks, dtype=send.dtype, device=send.device)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, send, group=group)
+    result, offset = {}, 0
+    for p in names:
+        g = grads[p]
+        n = max(0, min(piece[p], g.shape[0] - rank * piece[p]))
+        result[p] = out[offset:offset + n * width[p]].view(n, *g.shape[1:])
+        offset += piece[p] * width[p]
+    return result
 
 
 def _unflatten(flat: torch.Tensor, grads: dict[str, torch.Tensor], names: list[str],

@@ -113,6 +113,9 @@ class CommPlan:
     first_bucket_bytes: int = 2**20  # DDP's first bucket: the first reduction starts early
     prefetch_blocks: int = 1  # ZeRO gathers the next block's weights while one computes
     reduce_scatter: bool = True  # ZeRO reduces by reduce-scatter (False: all-reduce, gloo)
+    # the forward's SP all-gathers cut into this many sequence chunks, each chunk's matmuls
+    # running while the next is gathered (`passes.async_tp`); 1: one gather, waited whole
+    sp_gather_chunks: int = 1
     # ZeRO-3 gathers the weights again for the backward (False: the forward's gathered weights
     # are kept to the backward, Layout.reshard)
     reshard_after_forward: bool = True
@@ -181,7 +184,8 @@ class PlanDecisions:
     def pipeline_part(self) -> PipelinePart:
         """The pipeline split's part."""
         return PipelinePart(self.layout, tuple(self.stages),
-                            tuple(p for p, d in self.params.items() if d.placements["dp"].is_shard))
+                            tuple(p for p, d in self.params.items() if d.placements["dp"].is_shard),
+                            self.comm.reduce_scatter)
 
     def tensor_parallel(self) -> TensorParallelPlan:
         """The tensor-parallel pass's part."""
@@ -312,12 +316,14 @@ class RecomputePart:
 @dataclass(frozen=True)
 class PipelinePart:
     """What the pipeline split executes: the layout (degrees, schedule), the stages' blocks
-    (first, last; one entry per chunk under interleaved 1F1B), and the parameters ZeRO-1 shards
-    over "dp" (the runtime's optimizer-step rows)."""
+    (first, last; one entry per chunk under interleaved 1F1B), the parameters ZeRO-1 shards
+    over "dp" (the runtime's optimizer-step rows) and whether their gradients are
+    reduce-scattered (`CommPlan.reduce_scatter`) or all-reduced."""
 
     layout: Layout
     stages: tuple[tuple[int, int], ...]
     zero_sharded: tuple[str, ...]
+    reduce_scatter: bool = False
 
 
 @dataclass(frozen=True)

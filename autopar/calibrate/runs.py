@@ -231,10 +231,12 @@ class RunPricer:
             # the runs' framework cut its pipelines by compute, not under each stage's memory:
             # priced so, a run that ran out of memory is not made to fit by a better cut; and it
             # does not all-reduce a token count every step (autopar's runtime does); its loss
-            # is a fused or vocabulary-parallel cross-entropy and its full recompute
-            # checkpoints whole blocks (Megatron-LM, nanotron, llm-foundry: `StepFacts`)
+            # is a fused or vocabulary-parallel cross-entropy, its full recompute checkpoints
+            # whole blocks, and its pipelines' gradient reduction overlaps the last backward
+            # (Megatron-LM, nanotron, llm-foundry: `StepFacts`)
             self._facts[key] = dataclasses.replace(base.rebatch(run.global_batch), memory_cuts=False,
-                                                   counts_tokens=False, framework_memory=True)
+                                                   counts_tokens=False, framework_memory=True,
+                                                   pipeline_reduce_hidden=True)
         return self._facts[key]
 
     def _kind(self, run: Run) -> str:

@@ -26,6 +26,9 @@ the rank's `vocab.plan_types.ExecutionReport`, never into the plan. The order, a
 7. ``loss_weighting``: the loss output weighted by its seed, before DP (which scales the seed
    for the gradients but keeps the reported loss's weight) and before the pipeline split
    (which puts the weighting on the loss's stage).
+7a. ``async_tp`` (tp > 1 with SP, where the plan hides the SP gathers: `CommPlan.sp_gather_chunks`):
+   each forward SP all-gather cut into sequence chunks, a chunk's matmuls running while the
+   next is gathered (`passes.async_tp`); after recompute (whose copies regather whole).
 7b. ``overlap`` (tp > 1): after every pass that inserts TP's collectives, each issued early and
    waited late (`passes.overlap`); before the pipeline split (which cuts the reordered graph)
    and before DP (whose bucketed reductions it leaves where DP schedules them).
@@ -54,6 +57,7 @@ from autopar.errors import AutoparError
 from autopar.execution.module import _dp_rank
 from cost.stages import node_stages
 from passes import overlap
+from passes.async_tp import chunk_sequence_gathers
 from passes.context_parallel import ContextParallelError, apply_context_parallel
 from passes.data_parallel import apply_data_parallel
 from passes.expert_parallel import ExpertParallelError, apply_expert_parallel, has_grouped_lists
@@ -335,6 +339,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("fp8_scales", lambda s: bool(s.decisions.fp8) and s.layout.dp > 1, PlanDecisions.fp8_part, _fp8_scales),
     Pass("recompute", lambda s: _recomputing(s.decisions), PlanDecisions.recompute_part, _recompute_pass),
     Pass("loss_weighting", lambda s: True, _no_part, _weight_loss),
+    Pass("async_tp", lambda s: s.layout.tp > 1 and s.layout.sp and s.decisions.comm.sp_gather_chunks > 1,
+         lambda d: d.comm.sp_gather_chunks, lambda s, chunks: chunk_sequence_gathers(s.gm, chunks)),
     Pass("overlap", lambda s: s.layout.tp > 1 and overlap.enabled(), _no_part,
          lambda s, part: overlap.overlap_communication(s.gm)),
     Pass("pipeline_split", lambda s: s.layout.pp > 1, PlanDecisions.pipeline_part, _pipeline_split),
@@ -443,7 +449,8 @@ def _pipeline(gm, signature: GraphSignature, captured_stage: dict[str, int], par
     zero_rows = list(part.zero_sharded)
     return PipelinePlan(graphs=split, rank=mesh.get_local_rank("pp"), pp=lay.pp,
                         group=mesh["pp"].get_group(), schedule=lay.schedule,
-                        shared_groups=shared_groups, zero_sharded=zero_rows)
+                        shared_groups=shared_groups, zero_sharded=zero_rows,
+                        reduce_scatter=part.reduce_scatter)
 
 
 def _refuse_shared_under_cp(gm, signature: GraphSignature, node_stage: dict[str, int], lay: Layout) -> None:

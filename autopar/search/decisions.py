@@ -15,6 +15,7 @@ import numpy as np
 from autopar.search.choices import choose
 from cost import Cluster, Layout
 from cost.step import StepFacts, recompute_choices, zero_reduction
+from cost.terms.common import comm_overlap
 from cost.terms.compute import fp8_candidates, fp8_nodes, slot_chunks, stage_of, virtual_stages
 from vocab.plan_types import (
     AxisPlacement,
@@ -49,7 +50,10 @@ def decide(facts: StepFacts, cluster: Cluster, layout: Layout) -> PlanDecisions:
         fp8_fused_high=_fp8_fused_high(facts, layout),
         fp8_expert_high=_fp8_expert_high(facts, layout),
         comm=CommPlan(reduce_scatter=zero_reduction(cluster) == "reduce_scatter",
-                      reshard_after_forward=layout.reshard),
+                      reshard_after_forward=layout.reshard,
+                      # async TP where the cost model hides the SP gathers (GPUs; CPU ranks
+                      # hide nothing: one gather each)
+                      sp_gather_chunks=layout.tp if layout.sp and comm_overlap(cluster) > 0 else 1),
         fallbacks=[Fallback(op, "no sharding strategy on its inputs: gathered, run replicated")
                    for op in facts.tp_fallbacks] if layout.tp > 1 else [],
     )

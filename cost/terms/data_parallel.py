@@ -40,7 +40,8 @@ def gather_copy_s(cluster: Cluster, weight_bytes: float, ranks: int) -> float:
 def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: float,
             n_layers: int, fwd_s: float, bwd_s: float, recompute_s: float,
             tp_hidden_fwd_s: float = 0.0, tp_hidden_bwd_s: float = 0.0,
-            copied_params: float | None = None, expert_params: float = 0.0) -> tuple[float, float]:
+            copied_params: float | None = None, expert_params: float = 0.0,
+            pipeline_reduce_hidden: bool = False) -> tuple[float, float]:
     """(exposed, total) seconds of the data-parallel communication of one step (0 without DP).
 
     The group is the dp ranks (dp*cp with CP: CP ranks hold the same weights). DP reduces the
@@ -64,6 +65,9 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     recompute_s: that stage's seconds for one micro-batch. expert_params: the experts' part
     of stage_params under ep, reduced and gathered over their owners (`expert_owners`), not
     over the dp ranks: the two parts' collectives add up (none for owners of one rank).
+    Under a pipeline the whole gradients (DP, ZeRO-1) are reduced after the schedule
+    (`runtime.pipeline`), exposed, unless ``pipeline_reduce_hidden`` (measured runs of
+    Megatron-LM, whose last micro-batch's backward hides it: `StepFacts.pipeline_reduce_hidden`).
     """
     dp_group_size = lay.dp * lay.cp
     if dp_group_size == 1:
@@ -90,7 +94,8 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
         after = gather_all() + gather_copy_s(cluster, copied_bytes, dp_group_size)
     params = cluster.params
     overlap = comm_overlap(cluster) * params.dp_overlap
-    hidden_sync = min(sync, overlap * max(0.0, bwd_s + recompute_s - tp_hidden_bwd_s))
+    hideable = lay.pp == 1 or lay.zero >= 2 or pipeline_reduce_hidden
+    hidden_sync = min(sync, overlap * max(0.0, bwd_s + recompute_s - tp_hidden_bwd_s)) if hideable else 0.0
     # whole gradients (DP, ZeRO-1) are reduced once per step, after the last micro-batch
     # (DDP's no_sync); sharded ones (ZeRO-2/3) by every micro-batch, each behind its backward
     syncs = m if lay.zero >= 2 else 1

@@ -209,3 +209,22 @@ def test_zero_gathers_pay_the_copies_around_them():
         assert exposed - none_copied[0] == pytest.approx(copies * one)
         assert total - none_copied[1] == pytest.approx(copies * one)
         assert exposed - half[0] == pytest.approx(copies * one / 2)
+
+
+def test_a_pipelines_gradient_reduction_is_exposed_as_the_runtime_runs_it(llama_step):
+    """autopar's pipelines reduce the gradients over dp after the schedule (runtime.pipeline):
+    nothing hides that reduction. Measured runs of Megatron-LM overlap it with the last
+    micro-batch's backward (`StepFacts.pipeline_reduce_hidden`), and so does a step without
+    a pipeline (DDP's buckets)."""
+    import dataclasses
+
+    facts = llama_step[3].facts()
+    cluster = Cluster("h100", nodes=1, gpus_per_node=8)
+    piped = Layout(pp=2, dp=4, microbatch=1, grad_accum=4)
+    ours = priced(facts, cluster, piped).time_breakdown
+    assert ours["dp_comm_exposed_s"] == pytest.approx(ours["dp_comm_total_s"])
+    megatron = priced(dataclasses.replace(facts, pipeline_reduce_hidden=True), cluster, piped).time_breakdown
+    assert megatron["dp_comm_total_s"] == pytest.approx(ours["dp_comm_total_s"])
+    assert megatron["dp_comm_exposed_s"] < 0.5 * ours["dp_comm_exposed_s"]
+    flat = priced(facts, cluster, Layout(dp=8, microbatch=1, grad_accum=2)).time_breakdown
+    assert flat["dp_comm_exposed_s"] < 0.9 * flat["dp_comm_total_s"]

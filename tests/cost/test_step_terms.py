@@ -39,8 +39,8 @@ LLAMA_LAYOUTS = {
                 Layout(tp=4, sp=True, microbatch=16, precision="fp32"), 196.0, 14.74e9),
     "2node_dp4_tp2_pp2_afab": (Cluster("h100", nodes=2, gpus_per_node=8),
                                Layout(dp=4, tp=2, pp=2, schedule="afab", microbatch=1,
-                                      grad_accum=4), 0.05822, 10.85e9),
-    "dp4_pp2_ga1": (H100_8, Layout(dp=4, pp=2, microbatch=4, grad_accum=1), 0.09405, 23.19e9),
+                                      grad_accum=4), 0.06145, 10.85e9),
+    "dp4_pp2_ga1": (H100_8, Layout(dp=4, pp=2, microbatch=4, grad_accum=1), 0.1035, 23.19e9),
 }
 MOE_LAYOUTS = {
     "dp4_ep4": (Layout(dp=4, ep=4, microbatch=1, grad_accum=2), 0.01121, 1.555e9),

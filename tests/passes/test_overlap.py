@@ -4,90 +4,21 @@ values and peak memory do not change (run on real tensors, the fake group answer
 collectives with the local values)."""
 
 import copy
-import functools
 
 import pytest
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
+from tp_graphs import local_args, plain_case, signature, zoo_case
 
 from autopar import models
-from autopar.analysis.graph import analyze
-from autopar.capture.joint import capture
-from autopar.strategies.tp_recipe import find_tp_recipe
 from passes.overlap import is_collective, is_wait, overlap_communication
 from passes.tensor_parallel import apply_tensor_parallel
 from runtime.memory import peak_live_bytes
 from runtime.mesh import fake_world
-from vocab.plan_types import AxisPlacement, GraphSignature, TensorParallelPlan
+from vocab.plan_types import TensorParallelPlan
 
 aten = torch.ops.aten
-
-
-class GatedMLP(nn.Module):
-    """Plain PyTorch: two gated MLP blocks (column-parallel gate and up, row-parallel down) on
-    [b, s, h] inputs, a regression loss and a second, auxiliary loss on the mean activation."""
-
-    def __init__(self, hidden: int = 32, inner: int = 64, blocks: int = 2) -> None:
-        super().__init__()
-        self.gate = nn.ModuleList(nn.Linear(hidden, inner, bias=False) for _ in range(blocks))
-        self.up = nn.ModuleList(nn.Linear(hidden, inner, bias=False) for _ in range(blocks))
-        self.down = nn.ModuleList(nn.Linear(inner, hidden, bias=False) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        for gate, up, down in zip(self.gate, self.up, self.down):
-            x = x + down(nn.functional.silu(gate(x)) * up(x))
-        return nn.functional.mse_loss(x, target) + 0.1 * x.pow(2).mean()
-
-
-def _signature(graph) -> GraphSignature:
-    holders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
-    return GraphSignature(
-        inputs=[(i.kind, i.name) for i in graph.inputs], placeholders=[n.name for n in holders],
-        grad_index={o.name: o.index for o in graph.outputs if o.kind == "grad"},
-        loss_index=next(o.index for o in graph.outputs if o.kind == "loss"))
-
-
-@functools.cache  # one capture for both SP settings
-def _zoo_case(name: str):
-    model = models.build(name, seed=0)
-    batch = models.example_inputs(name, batch=2, seq=16)
-    graph = capture(model, batch)
-    recipe = find_tp_recipe(graph, analyze(graph))
-    placements = {}
-    for p in graph.param_names:
-        dim = recipe.param_shard_dim(p)
-        placements[p] = (AxisPlacement.shard(dim, recipe.fused_parts.get(p, 1)) if dim is not None
-                         else AxisPlacement.replicate())
-    return model, batch, graph, placements
-
-
-def _plain_case():
-    torch.manual_seed(0)
-    model = GatedMLP()
-    batch = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
-    graph = capture(model, batch)
-    placements = {p: AxisPlacement.shard(1 if p.startswith("down") else 0) for p in graph.param_names}
-    return model, batch, graph, placements
-
-
-def _local_args(graph, gm: fx.GraphModule, model: nn.Module, batch, tp: int) -> list[torch.Tensor]:
-    """Rank 0's inputs of the TP graph: its shards of the parameters, the batch, the seeds."""
-    params = dict(model.named_parameters())
-    values = iter(batch)
-    args = []
-    for inp, holder in zip(graph.inputs, [n for n in gm.graph.nodes if n.op == "placeholder"]):
-        kind, name = inp.kind, inp.name
-        shape = tuple(holder.meta["val"].shape)
-        if kind == "param":
-            whole = params[name].detach()
-            dims = [d for d, (a, b) in enumerate(zip(shape, whole.shape)) if a != b]
-            args.append(whole.narrow(dims[0], 0, shape[dims[0]]).clone() if dims else whole.clone())
-        elif kind == "input":
-            args.append(next(values))
-        else:
-            args.append(torch.ones(shape, dtype=holder.meta["val"].dtype))
-    return args
 
 
 def _traced(case, sp: bool, tp: int = 2):
@@ -96,12 +27,12 @@ def _traced(case, sp: bool, tp: int = 2):
     holders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     with fake_world(tp):
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-        traced = apply_tensor_parallel(graph.gm, _signature(graph), [tuple(n.meta["val"].shape) for n in holders],
+        traced = apply_tensor_parallel(graph.gm, signature(graph), [tuple(n.meta["val"].shape) for n in holders],
                                        TensorParallelPlan(placements, sequence_parallel=sp), mesh)
         before = copy.deepcopy(traced.gm)
         after = traced.gm
         report = overlap_communication(after)
-        args = _local_args(graph, before, model, batch, tp)
+        args = local_args(graph, before, model, batch, tp)
         profiles = (peak_live_bytes(before, *args), peak_live_bytes(after, *args))
     return before, after, report, profiles
 
@@ -152,7 +83,7 @@ def _check(before: fx.GraphModule, after: fx.GraphModule, report, profiles, min_
 
 @pytest.mark.parametrize("sp", [True, False])
 def test_tiny_llama_weight_gradients_run_while_input_gradients_reduce(sp):
-    case = _zoo_case("tiny-llama")
+    case = zoo_case("tiny-llama")
     before, after, report, profiles = _traced(case, sp)
     blocks = models.config("tiny-llama").n_layers
     # each block's backward: the MLP's and attention's input-gradient reductions, and the head's
@@ -160,7 +91,7 @@ def test_tiny_llama_weight_gradients_run_while_input_gradients_reduce(sp):
 
 
 def test_plain_gated_mlp_two_losses():
-    before, after, report, profiles = _traced(_plain_case(), sp=False)
+    before, after, report, profiles = _traced(plain_case(), sp=False)
     _check(before, after, report, profiles, min_overlapped=2)  # one per block's gate/up reduction
 
 

@@ -162,9 +162,9 @@ def test_parallel_fp8_matches_single_device_fp8(cases):
 
 
 def _local_scales_worker(rank: int, world: int) -> list[tuple]:
-    import autopar.execution.parallelize as par
+    import autopar.execution.rewrite as rewrite
 
-    par.reduce_scales = lambda gm, group: 0  # each rank scales by its own tokens' amax
+    rewrite.reduce_scales = lambda gm, group: 0  # each rank scales by its own tokens' amax
     return _worker(rank, world, [("tiny-llama", "tensorwise", {"dp": 2})])
 
 

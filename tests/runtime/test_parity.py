@@ -293,9 +293,6 @@ def _random_worker(rank: int, world: int, family: str, hidden: int, layers: int,
          recompute="partial", pp=2, schedule="zero-bubble")
 def test_random_models_and_layouts_match_one_device(family, hidden, layers, world, tp, sp, zero, accum,
                                                     recompute, pp, schedule):
-    if pp > 1:  # a pipeline: a block per stage at least (two stages per rank interleaved)
-        layers, zero = max(layers, pp * (2 if schedule == "interleaved-1f1b" else 1)), min(zero, 1)
-    tp = min(tp, world // pp)
     _random_case(family, hidden, layers, world, tp, sp, zero, accum, recompute, pp, schedule)
 
 
@@ -312,6 +309,9 @@ def test_more_random_models_and_layouts_match_one_device(family, hidden, layers,
 
 
 def _random_case(family, hidden, layers, world, tp, sp, zero, accum, recompute, pp, schedule):
+    if pp > 1:  # a pipeline: a block per stage at least (two stages per rank interleaved), ZeRO-1 at most
+        layers, zero = max(layers, pp * (2 if schedule == "interleaved-1f1b" else 1)), min(zero, 1)
+    tp = min(tp, world // pp)  # a degree the world holds
     results = spawn(_random_worker, world, args=(family, hidden, layers, tp, sp, zero, accum, recompute,
                                                  pp, schedule), timeout_s=300)
     assert results == [[]] * world

@@ -3,7 +3,8 @@
 Loss, every gradient and the updated parameters after 2 SGD then 2 AdamW steps (fp32, rtol 1e-5,
 `parity_checks`), under GPipe ("afab"), 1F1B with 1, 2 and 8 micro-batches, interleaved 1F1B
 (two stages per rank), zero-bubble (ZB1P: input and weight gradients apart), pp=4 (also with
-fewer micro-batches than stages), pp x dp with ZeRO-1, pp x tp with SP, with selective and full
+fewer micro-batches than stages), pp x dp with ZeRO-1 (its gradients all-reduced as on CPU,
+and reduce-scattered as on GPUs), pp x tp with SP, with selective and full
 recompute (also a different choice per stage); on tiny-llama, tiny-gpt2
 (its tied embedding and head live on the first and last stage), tiny-mixtral and a plain-PyTorch
 model of our own. Every parameter lives on exactly one stage (both ends for the tied one), with
@@ -69,8 +70,15 @@ def _pipeline_worker(rank: int, world: int, cases: list[tuple[str, int, dict]]) 
     for name, layers, degrees in cases:
         model, batch = _model(name, layers)
         ref = copy.deepcopy(model)
+        degrees = dict(degrees)
         per_stage = degrees.pop("per_stage", None)
-        if per_stage:  # each stage recomputes its own (what "auto" picks on a squeezed device)
+        scatter = degrees.pop("reduce_scatter", False)
+        if scatter:  # ZeRO-1's gradients reduce-scattered, as plans for GPUs run them
+            plan = autopar.plan(model, batch, cluster=autopar.Cluster("cpu", nodes=1, gpus_per_node=world),
+                                layout=autopar.Layout(**degrees))
+            plan.decisions.comm = dataclasses.replace(plan.decisions.comm, reduce_scatter=True)
+            pm = autopar.parallelize(model, world, example_inputs=batch, plan=plan)
+        elif per_stage:  # each stage recomputes its own (what "auto" picks on a squeezed device)
             plan = autopar.plan(model, batch, cluster=autopar.Cluster("h100", nodes=1, gpus_per_node=world),
                                 layout=autopar.Layout(**degrees, precision="fp32"))
             plan.decisions.recompute_per_stage = tuple(RecomputeChoice(*c) for c in per_stage)
@@ -167,6 +175,7 @@ def test_more_pipeline_layouts_on_four_ranks_match_one_device():
              ("tiny-mixtral", 2, dict(pp=2, dp=2, grad_accum=4)),
              ("tiny-gpt2", 2, dict(pp=2, tp=2, sp=True, grad_accum=2)),
              ("plain", 2, dict(pp=2, dp=2, zero=1, grad_accum=4)),
+             ("tiny-llama", 2, dict(pp=2, dp=2, zero=1, grad_accum=2, reduce_scatter=True)),
              ("hf-llama", 2, dict(pp=2, tp=2, sp=True, grad_accum=2)),
              ("plain", 8, dict(pp=4, schedule="interleaved-1f1b", virtual_stages=2, grad_accum=8)),
              ("tiny-llama", 4, dict(pp=2, dp=2, zero=1, schedule="interleaved-1f1b", virtual_stages=2,
