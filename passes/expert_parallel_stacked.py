@@ -44,8 +44,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from passes.fake_nodes import call_node as _node
-from passes.fake_nodes import fake_value as _compute
+from passes.fake_nodes import call_node, fake_value
 from passes.grouped_matmul import (
     is_grouped,
     is_grouped_forward,
@@ -235,8 +234,8 @@ def _layer(offs: fx.Node, ops: list[fx.Node], where: str) -> _Layer:
 
 
 def _collective(graph: fx.Graph, op, args: tuple, meta: dict, reason: str, compute: bool = True) -> fx.Node:
-    issued = _node(graph, op, args, meta, reason, compute=compute)
-    return _node(graph, c10d.wait_tensor.default, (issued,), meta, reason, compute=compute)
+    issued = call_node(graph, op, args, meta, reason, compute=compute)
+    return call_node(graph, c10d.wait_tensor.default, (issued,), meta, reason, compute=compute)
 
 
 def apply_stacked_expert_parallel(gm: fx.GraphModule, group: AxisGroup) -> StackedRewrite:
@@ -291,33 +290,33 @@ def _rewrite(graph: fx.Graph, layer: _Layer, E: int, group: AxisGroup) -> set[fx
     T, device = x.meta["val"].shape[0], x.meta["val"].device
 
     with graph.inserting_before(first):
-        rows = _node(graph, aten.arange.default, (T,), fwd_meta, kwargs={"device": device})
-        ids = _node(graph, aten.bucketize.Tensor, (rows, offs), fwd_meta, kwargs={"right": True})
+        rows = call_node(graph, aten.arange.default, (T,), fwd_meta, kwargs={"device": device})
+        ids = call_node(graph, aten.bucketize.Tensor, (rows, offs), fwd_meta, kwargs={"right": True})
         x_all = _collective(graph, c10d.all_gather_into_tensor.default, (x, n, group.name), fwd_meta,
                             f"{words}: gather the group's routed tokens")
         ids_all = _collective(graph, c10d.all_gather_into_tensor.default, (ids, n, group.name), fwd_meta,
                               f"{words}: gather the group's tokens' experts")
-        local = _node(graph, aten.sub.Tensor, (ids_all, r * m), fwd_meta)
-        mine = _node(graph, aten.logical_and.default,
-                     (_node(graph, aten.ge.Scalar, (local, 0), fwd_meta),
-                      _node(graph, aten.lt.Scalar, (local, m), fwd_meta)), fwd_meta)
-        other = _node(graph, aten.full_like.default, (local, m), fwd_meta)
-        key = _node(graph, aten.where.self, (mine, local, other), fwd_meta)
-        ordered = _node(graph, aten.sort.stable, (key,), fwd_meta, kwargs={"stable": True})
-        key_sorted = _node(graph, operator.getitem, (ordered, 0), fwd_meta)
-        order = _node(graph, operator.getitem, (ordered, 1), fwd_meta)
-        x_here = _node(graph, aten.index.Tensor, (x_all, [order]), fwd_meta)
-        experts = _node(graph, aten.arange.default, (m,), fwd_meta, kwargs={"device": device})
-        offs_here = _node(graph, aten.searchsorted.Tensor, (key_sorted, experts), fwd_meta,
+        local = call_node(graph, aten.sub.Tensor, (ids_all, r * m), fwd_meta)
+        mine = call_node(graph, aten.logical_and.default,
+                     (call_node(graph, aten.ge.Scalar, (local, 0), fwd_meta),
+                      call_node(graph, aten.lt.Scalar, (local, m), fwd_meta)), fwd_meta)
+        other = call_node(graph, aten.full_like.default, (local, m), fwd_meta)
+        key = call_node(graph, aten.where.self, (mine, local, other), fwd_meta)
+        ordered = call_node(graph, aten.sort.stable, (key,), fwd_meta, kwargs={"stable": True})
+        key_sorted = call_node(graph, operator.getitem, (ordered, 0), fwd_meta)
+        order = call_node(graph, operator.getitem, (ordered, 1), fwd_meta)
+        x_here = call_node(graph, aten.index.Tensor, (x_all, [order]), fwd_meta)
+        experts = call_node(graph, aten.arange.default, (m,), fwd_meta, kwargs={"device": device})
+        offs_here = call_node(graph, aten.searchsorted.Tensor, (key_sorted, experts), fwd_meta,
                           kwargs={"out_int32": offs.meta["val"].dtype == torch.int32, "right": True})
-        all_rows = _node(graph, aten.arange.default, (n * T,), fwd_meta, kwargs={"device": device})
-        last = _node(graph, aten.select.int, (offs_here, 0, m - 1), fwd_meta)
-        valid = _node(graph, aten.unsqueeze.default, (_node(graph, aten.lt.Tensor, (all_rows, last), fwd_meta), 1),
+        all_rows = call_node(graph, aten.arange.default, (n * T,), fwd_meta, kwargs={"device": device})
+        last = call_node(graph, aten.select.int, (offs_here, 0, m - 1), fwd_meta)
+        valid = call_node(graph, aten.unsqueeze.default, (call_node(graph, aten.lt.Tensor, (all_rows, last), fwd_meta), 1),
                       fwd_meta)
     with graph.inserting_before(layer.bwd[0]):
         dy_all = _collective(graph, c10d.all_gather_into_tensor.default, (layer.dy, n, group.name), bwd_meta,
                              f"{words}: gather the group's results' gradients")
-        dy_here = _node(graph, aten.index.Tensor, (dy_all, [order]), bwd_meta)
+        dy_here = call_node(graph, aten.index.Tensor, (dy_all, [order]), bwd_meta)
     region = set(layer.fwd) | set(layer.bwd)
     for node in region:
         node.replace_input_with(x, x_here)
@@ -327,9 +326,9 @@ def _rewrite(graph: fx.Graph, layer: _Layer, E: int, group: AxisGroup) -> set[fx
     def combine(value: fx.Node, node_meta: dict, what: str) -> list[fx.Node]:
         """Rows of other ranks' experts zeroed, unsorted, summed back to their ranks."""
         with graph.inserting_before(value.next):
-            zero = _node(graph, aten.zeros_like.default, (value,), node_meta, compute=False)
-            kept = _node(graph, aten.where.self, (valid, value, zero), node_meta, compute=False)
-            unsorted = _node(graph, aten.index_put.default, (zero, [order], kept), node_meta, compute=False)
+            zero = call_node(graph, aten.zeros_like.default, (value,), node_meta, compute=False)
+            kept = call_node(graph, aten.where.self, (valid, value, zero), node_meta, compute=False)
+            unsorted = call_node(graph, aten.index_put.default, (zero, [order], kept), node_meta, compute=False)
             back = _collective(graph, c10d.reduce_scatter_tensor.default, (unsorted, "sum", n, group.name),
                                node_meta, f"{words}: {what}", compute=False)
         for user in list(value.users):
@@ -353,7 +352,7 @@ def _repropagate(graph: fx.Graph, changed: set[fx.Node]) -> None:
         old = node.meta.get("val")
         if node.target in _SIZED_VIEWS:
             _local_size(node)
-        _compute(node)
+        fake_value(node)
         if node in changed or _shape(old) != _shape(node.meta["val"]):
             changed.add(node)
 
