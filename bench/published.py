@@ -27,6 +27,7 @@ per-GPU work, near-capacity memory, full recompute, runs with settings the sourc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,10 +39,11 @@ from autopar import models
 from autopar.calibrate.fit import fit_params
 from autopar.calibrate.runs import RunPricer
 from bench.playbook import spearman
-from bench.published_runs import PublishedRun, read_published
+from bench.published_runs import MEGATRON_CORE, PublishedRun, read_published
 from cost.cluster import H100_EFA_FIT, Cluster
 from cost.params import CostParams
 from cost.profile import load_profile
+from cost.step_facts import StepFacts
 
 DEFAULT_RUNS = Path(__file__).parent / "data" / "published-runs-calibration.csv"
 # the acceptance bar of issue 27 (leave one source out)
@@ -78,8 +80,21 @@ class PublishedPricer(RunPricer):
         c.params = params if params is not None else self.params
         return c
 
-    def _kind(self, run: PublishedRun) -> str:
-        return run.profile
+    def framework_facts(self, run: PublishedRun, facts: StepFacts) -> StepFacts:
+        """The overlaps of Megatron-Core's performance recipes on the runs of that framework
+        (`bench.published_runs.MEGATRON_CORE`): TP communication behind the GEMMs under SP, the
+        interleaved schedule's transfers and ZeRO-1's weight gather behind compute; Transformer
+        Engine's ring exchanging the kv heads' K and V and its cuDNN attention
+        (`StepFacts.tp_overlap_all`, ``p2p_hidden``, ``param_gather_hidden``, ``cp_kv_heads``,
+        ``native_attention``). Other runs: autopar's."""
+        if run.framework != MEGATRON_CORE:
+            return facts
+        return dataclasses.replace(facts, tp_overlap_all=True, p2p_hidden=True,
+                                   param_gather_hidden=True, cp_kv_heads=True,
+                                   native_attention=True)
+
+    def _kind(self, run: PublishedRun) -> tuple[str, str]:
+        return run.profile, run.framework
 
     def model_for(self, run: PublishedRun):
         """The run's own shape on the meta device, 8 sequences of its length."""
@@ -197,7 +212,12 @@ def _playbook_params() -> CostParams:
     return load_profile(H100_EFA_FIT).params if H100_EFA_FIT.exists() else CostParams()
 
 
-def run_published_bench(path: str | Path | None = None, max_evals: int = 40,
+# evaluations per held-out fit: the trust-region search takes one step per (parameters + 1)
+# evaluations, so 40 left each fold 2 steps from its start; 200 leave 14
+MAX_EVALS = 200
+
+
+def run_published_bench(path: str | Path | None = None, max_evals: int = MAX_EVALS,
                         quick: bool = False,
                         progress: Callable[[str], None] | None = print) -> dict:
     """Every row of the module docstring on the file at ``path`` (the shipped copy by default).

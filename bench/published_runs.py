@@ -19,6 +19,12 @@ How a row becomes a model and a layout (one rule for every row, none per model o
   global batch * seq / step / GPUs;
 - ZeRO: FSDP FULL_SHARD and "3" are ZeRO-3, SHARD_GRAD_OP ZeRO-2, "1 (...)" ZeRO-1, "0" none;
 - precision: fp8, "fp8 (...)" and mxfp8 price every weight matmul in FP8, the rest bf16;
+- framework: a source or note naming NeMo, Megatron-Bridge or Megatron-Core is NVIDIA's
+  performance recipes on Megatron-Core (`MEGATRON_CORE`), whose `CommOverlapConfig` overlaps
+  TP communication with GEMMs under SP (Transformer Engine's userbuffers), the interleaved
+  schedule's transfers and the distributed optimizer's weight gather with compute; the
+  pricer prices those overlaps (`bench.published.PublishedPricer.facts`). Any other source:
+  the overlaps autopar's runtime has;
 - not stated (empty): micro-batch 1, ZeRO-1 (Megatron's distributed optimizer, the recipes'
   default), no recompute, SP where tp > 1, a pipeline's interleave depth 1; such a run is
   marked (`PublishedRun.assumed`) and scored apart from the runs stated in full. A run whose
@@ -43,6 +49,9 @@ COLUMNS = ("source", "model_name", "layers", "hidden", "ffn_hidden", "heads", "k
            "ep", "zero_or_fsdp", "sp", "microbatch", "global_batch_sequences", "recompute",
            "precision", "measured_metric", "measured_value")
 METRICS = ("tokens_per_s_per_gpu", "hardware_tflops_per_gpu", "step_time_s")
+# the framework of NVIDIA's performance recipes, named by their source or notes
+MEGATRON_CORE = "megatron-core"
+_MEGATRON_CORE_WORDS = re.compile(r"\bNeMo\b|Megatron-Bridge|Megatron-Core|\bmcore\b", re.IGNORECASE)
 # the GPU column's words -> the shipped cluster profile of that kind (cost.cluster.PROFILES)
 GPU_PROFILES = (("a100-40gb", "a100-40gb"), ("a100-80gb", "a100-80gb"), ("h100", "h100"),
                 ("h200", "h200"), ("b200", "b200"))
@@ -52,7 +61,8 @@ GPU_PROFILES = (("a100-40gb", "a100-40gb"), ("a100-80gb", "a100-80gb"), ("h100",
 class PublishedRun(Run):
     """A `Run` of the published file. ``model`` is a key of the run's model shape (`config`);
     ``name`` the source's model name; ``profile`` the cluster profile of its GPU kind;
-    ``assumed``: the settings the source did not state and the reader assumed."""
+    ``assumed``: the settings the source did not state and the reader assumed; ``framework``:
+    `MEGATRON_CORE` or "" (see the module docstring)."""
 
     source: str = ""
     name: str = ""
@@ -60,6 +70,7 @@ class PublishedRun(Run):
     config: ModelConfig | None = None
     assumed: tuple[str, ...] = field(default=())
     metric: str = ""
+    framework: str = ""
 
     @property
     def cell(self) -> tuple[str, str, str]:
@@ -245,4 +256,6 @@ def parse_row(where: str, line: int, row: dict) -> PublishedRun:
                         seq=seq, tok_s_gpu=measured, gpu_mem_gb=None, skip=skip,
                         source=short_source(row["source"]), name=name, profile=profile,
                         config=None if isinstance(cfg, str) else cfg, assumed=tuple(assumed),
-                        metric=row["measured_metric"])
+                        metric=row["measured_metric"],
+                        framework=MEGATRON_CORE if _MEGATRON_CORE_WORDS.search(
+                            f"{row['source']} {row.get('notes', '')}") else "")

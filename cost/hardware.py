@@ -27,6 +27,11 @@ class GPUSpec:
     memory_efficiency: fraction of memory_bw that a large device copy reaches.
     kernel_floor_s: the least time any op takes, launch and dispatch overheads included.
     sm_count: streaming multiprocessors (informative; used by nothing that needs it exactly).
+    attention_efficiency: fraction of the bf16 peak that FlashAttention-2's causal forward and
+        backward reach at long sequences, head dim 128, in the kernels' own benchmarks
+        (`cost.terms.compute.attention_efficiency` scales it by `CostParams.attention_efficiency`).
+    native_attention_efficiency: the same for the architecture's own fused attention (cuDNN's,
+        FlashAttention-3's on Hopper), which Transformer Engine runs (`StepFacts.native_attention`).
     source: where the numbers come from.
     """
 
@@ -40,6 +45,8 @@ class GPUSpec:
     source: str
     matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
     sm_count: int = 0
+    attention_efficiency: float = 0.35
+    native_attention_efficiency: float = 0.35
 
     @property
     def is_cpu(self) -> bool:
@@ -75,6 +82,8 @@ class GPUSpec:
             "source": self.source,
             "matmul_efficiency_by_dtype": dict(self.matmul_efficiency_by_dtype),
             "sm_count": self.sm_count,
+            "attention_efficiency": self.attention_efficiency,
+            "native_attention_efficiency": self.native_attention_efficiency,
         }
 
     @classmethod
@@ -106,6 +115,17 @@ H200_DTYPE_EFFICIENCY = {
 # runtime executes per-rank graphs eagerly, so the eager figure is the floor.
 H200_MEASURED_KERNEL_FLOOR_S = 1.07e-5
 
+# FlashAttention-2's forward + backward, causal, head dim 128, 16K tokens, as fractions of the
+# dense bf16 peak: on an A100 ~190 of 312 TFLOP/s (Dao 2023, FlashAttention-2, fig. 4-6); on an
+# H100 SXM5 ~0.35 of 989 (Shah et al. 2024, FlashAttention-3, fig. 5-6: FlashAttention-2 runs
+# Ampere's kernels there, without Hopper's asynchronous tensor-core instructions)
+FA2_AMPERE_EFFICIENCY = 0.61
+FA2_HOPPER_EFFICIENCY = 0.35
+# Hopper's own fused attention (FlashAttention-3, cuDNN's, which Transformer Engine runs): ~0.65
+# of the peak forward and ~0.5 backward at the same shapes (Shah et al. 2024, fig. 5-6), 0.54
+# weighting the backward's twice the forward's FLOPs
+FA3_HOPPER_EFFICIENCY = 0.54
+
 _HOPPER_PEAKS = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5), dense figures (the sparse ones are 2x):
     # FP32 67 TFLOPS, TF32 494.7, BF16/FP16 989.5 (the playbook's MFU peak), FP8 1979.
@@ -132,6 +152,8 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=132,  # datasheet: 132 SMs on the SXM5 part
+        attention_efficiency=FA2_HOPPER_EFFICIENCY,
+        native_attention_efficiency=FA3_HOPPER_EFFICIENCY,
         source=(
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense); efficiencies and kernel floor "
             "assumed equal to the H200 measurements on this workplace (same Hopper chip)"
@@ -148,6 +170,8 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=132,  # measured: torch reports 132 multiprocessors
+        attention_efficiency=FA2_HOPPER_EFFICIENCY,  # the H100's SMs
+        native_attention_efficiency=FA3_HOPPER_EFFICIENCY,
         source=(
             "NVIDIA H200 Tensor Core GPU datasheet (SXM); 788 TFLOP/s bf16 8192^3 matmul "
             "measured on an H200 (a burst of ten), 4.3 TB/s device copy; dtype ratios and kernel "
@@ -165,6 +189,8 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=108,  # datasheet: 108 SMs
+        attention_efficiency=FA2_AMPERE_EFFICIENCY,
+        native_attention_efficiency=FA2_AMPERE_EFFICIENCY,  # no Hopper instructions: the same
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB, dense); efficiencies and kernel "
             "floor assumed equal to the H200 measurements on this workplace"
@@ -179,6 +205,8 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=108,  # datasheet: 108 SMs
+        attention_efficiency=FA2_AMPERE_EFFICIENCY,
+        native_attention_efficiency=FA2_AMPERE_EFFICIENCY,  # no Hopper instructions: the same
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB, dense); efficiencies and kernel "
             "floor assumed equal to the H200 measurements on this workplace"
@@ -199,6 +227,9 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=148,  # NVIDIA Blackwell architecture technical brief: 2 dies, 148 SMs
+        # no FlashAttention figure for Blackwell: Hopper's fractions, an assumption
+        attention_efficiency=FA2_HOPPER_EFFICIENCY,
+        native_attention_efficiency=FA3_HOPPER_EFFICIENCY,
         source=(
             "NVIDIA HGX B200 / DGX B200 datasheets (per GPU, dense = sparse / 2); efficiencies "
             "and kernel floor assumed equal to the H200 measurements on this workplace"

@@ -61,7 +61,13 @@ from cost.terms.context_parallel import cp_exposed
 from cost.terms.data_parallel import dp_comm, dp_step_syncs
 from cost.terms.expert_parallel import ep_comm
 from cost.terms.optimizer import ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, optimizer_time
-from cost.terms.pipeline_parallel import loss_broadcast, p2p_time, pipeline_time, shared_host_factor
+from cost.terms.pipeline_parallel import (
+    loss_broadcast,
+    p2p_exposed,
+    p2p_time,
+    pipeline_time,
+    shared_host_factor,
+)
 from cost.terms.recompute import (
     fixed_choice,
     local_block_input_bytes,
@@ -260,8 +266,9 @@ def predict(
     slowest = int(np.argmax(stage_time))
 
     # ---- the step: pipeline, data-parallel sync, optimizer
-    pipe_total, bubble = pipeline_time(float(stage_time[slowest]),
-                                       p2p_time(facts, cluster, lay, scale, float(stage_time[slowest])), lay)
+    p2p = p2p_exposed(facts, cluster, lay, p2p_time(facts, cluster, lay, scale, float(stage_time[slowest])),
+                      float(stage_time[slowest]))
+    pipe_total, bubble = pipeline_time(float(stage_time[slowest]), p2p, lay)
     pipe_total += loss_broadcast(cluster, lay)
     params_stage = params_per_stage(facts, cluster, lay)
     worst_params = float(params_stage.max())
@@ -273,7 +280,8 @@ def predict(
     dp_exposed, dp_total = dp_comm(cluster, lay, rec, worst_params, n_layers, float(fwd[slowest]),
                                    float(bwd[slowest]), float(recomp[slowest]),
                                    float(tp_hidden_fwd[slowest]), float(tp_hidden_bwd[slowest]),
-                                   copied, worst_experts, facts.pipeline_reduce_hidden)
+                                   copied, worst_experts, facts.pipeline_reduce_hidden,
+                                   facts.param_gather_hidden)
     syncs = dp_step_syncs(cluster, lay, facts.counts_tokens)  # the token count, the loss
     dp_exposed, dp_total = dp_exposed + syncs, dp_total + syncs
     optimizer_s = optimizer_time(cluster, lay, worst_params, worst_experts)

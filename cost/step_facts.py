@@ -65,7 +65,11 @@ class NodeTable:
     layer: np.ndarray  # block index, pre-block nodes -1 (stage 0); post-block nodes L
     is_attention: np.ndarray
     attention_kv_bytes: np.ndarray  # K and V bytes an attention node reads (CP exchanges them)
-    attention_seq: np.ndarray  # the keys an attention node attends over (0 for other nodes)
+    # the same before a grouped-query expansion (the kv heads' own K and V; = attention_kv_bytes
+    # without one): what a ring that expands after the exchange sends (`StepFacts.cp_kv_heads`)
+    attention_kv_heads_bytes: np.ndarray
+    # the keys an attention node attends over, forward or backward (0 for other nodes)
+    attention_seq: np.ndarray
     # the node is copied into the backward by the recompute pass under that mode (its time is
     # the recompute's price; `autopar.search.facts` reads it off the pass's own marking)
     rerun_selective: np.ndarray
@@ -94,6 +98,7 @@ class NodeTable:
             bytes_act=self.bytes_act * r,
             fp8_act_bytes=self.fp8_act_bytes * r,
             attention_kv_bytes=self.attention_kv_bytes * r,
+            attention_kv_heads_bytes=self.attention_kv_heads_bytes * r,
         )
 
 
@@ -226,6 +231,24 @@ class StepFacts:
     # False: autopar's pipeline runtime reduces after the schedule
     # (`runtime.pipeline.reduce_data_parallel`), where nothing hides it
     pipeline_reduce_hidden: bool = False
+    # how Megatron-Core's performance recipes (NeMo, Megatron-Bridge: their `CommOverlapConfig`,
+    # Transformer Engine) communicate, where autopar's runtime does otherwise (False: its plans):
+    # ``tp_overlap_all``: under SP every TP all-gather and reduce-scatter, forward and backward,
+    # runs chunked with the GEMM it feeds or that feeds it (Transformer Engine's userbuffers,
+    # ``tp_comm_overlap``), not only the forward gathers and the backward reductions;
+    # ``p2p_hidden``: the interleaved schedule's stage-to-stage transfers run behind the next
+    # micro-batch's compute (``overlap_p2p_comm``, set where the interleave depth is > 1);
+    # ``param_gather_hidden``: ZeRO-1/2's weight all-gather after the optimizer runs behind the
+    # next step's forward, block by block (``overlap_param_gather``);
+    # ``cp_kv_heads``: the ring exchanges K and V before a grouped-query expansion (Transformer
+    # Engine's context parallelism; autopar's ring exchanges the attention's expanded inputs);
+    # ``native_attention``: attention runs the architecture's own fused kernel (Transformer
+    # Engine's cuDNN attention; autopar's SDPA runs FlashAttention-2: `GPUSpec`)
+    tp_overlap_all: bool = False
+    p2p_hidden: bool = False
+    param_gather_hidden: bool = False
+    cp_kv_heads: bool = False
+    native_attention: bool = False
     # what the cost model derives from these facts and reuses across layouts (`cost.facts_cache`;
     # not an init argument: a copy made by `rebatch` or `dataclasses.replace` starts empty)
     cache: FactsCache = field(default_factory=FactsCache, init=False, repr=False, compare=False)

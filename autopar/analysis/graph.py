@@ -311,3 +311,20 @@ def _repeated_blocks(nodes: dict[str, NodeInfo], prefix: str | None) -> Repeated
         nodes_per_block=len(members[min(members)]),
         nodes=dict(members),
     )
+
+
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+
+
+def attention_keys(node: torch.fx.Node) -> int:
+    """The keys a fused attention node attends over, forward or backward (0 for any other
+    node): dim -2 of its key ([batch, heads, keys, dim]; argument 1 of the forward ops, 2 of
+    their backward ops, after the output's gradient), the tokens of a language model, the
+    patches of an image model."""
+    target = str(node.target)
+    if node.op != "call_function" or not any(k in target for k in ATTENTION_OPS):
+        return 0
+    index = 2 if "backward" in target else 1
+    key = node.args[index] if len(node.args) > index else None
+    shape = getattr(key.meta.get("val"), "shape", None) if isinstance(key, torch.fx.Node) else None
+    return int(shape[-2]) if shape is not None and len(shape) >= 2 else 0

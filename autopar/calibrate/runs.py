@@ -234,10 +234,15 @@ class RunPricer:
             # is a fused or vocabulary-parallel cross-entropy, its full recompute checkpoints
             # whole blocks, and its pipelines' gradient reduction overlaps the last backward
             # (Megatron-LM, nanotron, llm-foundry: `StepFacts`)
-            self._facts[key] = dataclasses.replace(base.rebatch(run.global_batch), memory_cuts=False,
-                                                   counts_tokens=False, framework_memory=True,
-                                                   pipeline_reduce_hidden=True)
+            self._facts[key] = self.framework_facts(run, dataclasses.replace(
+                base.rebatch(run.global_batch), memory_cuts=False, counts_tokens=False,
+                framework_memory=True, pipeline_reduce_hidden=True))
         return self._facts[key]
+
+    def framework_facts(self, run: Run, facts: StepFacts) -> StepFacts:
+        """``facts`` as ``run``'s framework communicates beyond the above (a subclass whose runs
+        name their framework says; here: unchanged)."""
+        return facts
 
     def _kind(self, run: Run) -> str:
         """What of the cluster the facts depend on besides the run (its GPU kind)."""

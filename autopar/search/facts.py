@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from autopar.analysis.fusion import external_bytes, fused_saved, fusion_groups
-from autopar.analysis.graph import GraphAnalysis
+from autopar.analysis.graph import ATTENTION_OPS, GraphAnalysis, attention_keys
 from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, TPRecipe, find_tp_recipe
@@ -29,7 +29,6 @@ from passes.recompute import heavy_groups, is_backward, values_to_recompute
 from passes.token_count import mean_loss_node
 from vocab.plan_types import GraphSignature
 
-_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 # the columns of `NodeTable` and `SavedTable` as built here, with their array dtypes
 _NODE_DTYPES = {
     "name": str, "flops": float, "vflops": float, "bytes_act": float, "bytes_const": float,
@@ -37,7 +36,7 @@ _NODE_DTYPES = {
     "fp8_act_bytes": float, "fp8_const_bytes": float, "fp8_weight": str, "fp8_wgrad": bool,
     "forward": bool, "launch": bool,
     "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
-    "attention_kv_bytes": float, "attention_seq": int, "rerun_selective": bool, "rerun_full": bool,
+    "attention_kv_bytes": float, "attention_kv_heads_bytes": float, "attention_seq": int, "rerun_selective": bool, "rerun_full": bool,
     "ep_rows": bool, "routed": bool,
 }
 _SAVED_DTYPES = {"name": str, "bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool, "ep_rows": bool,
@@ -167,11 +166,15 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         out_bd = bd.get(node.name, False)
         written = info.bytes_written if parts.leaves[node.name] else 0
         tp_div = state == "S" or node.name in tp.sharded_matmul
-        is_attn = any(k in str(node.target) for k in _ATTENTION) and info.phase == "forward"
-        kv, kv_len = 0, 0
+        attention = any(k in str(node.target) for k in ATTENTION_OPS)
+        is_attn = attention and info.phase == "forward"
+        kv, kv_heads, kv_len = 0, 0, 0
         if is_attn:
-            kv = sum(analysis.nodes[a.name].nbytes for a in node.args[1:3] if isinstance(a, torch.fx.Node))
-            kv_len = _attention_length(node)
+            kv_args = [a for a in node.args[1:3] if isinstance(a, torch.fx.Node)]
+            kv = sum(analysis.nodes[a.name].nbytes for a in kv_args)
+            kv_heads = sum(_unexpanded_bytes(a, analysis) for a in kv_args)
+        if attention:  # the backward too: it runs at the attention's rate, not a GEMM's
+            kv_len = attention_keys(node)
         fp8_weight, fp8_role = parts.fp8_roles.get(node.name, ("", ""))
         fp8_act = fp8_const = 0
         if fp8_weight:  # the casts it pays: a cast shared with other matmuls, its share
@@ -200,16 +203,34 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         arrays["layer"].append(parts.layer_eff[node.name])
         arrays["is_attention"].append(is_attn)
         arrays["attention_kv_bytes"].append(kv)
+        arrays["attention_kv_heads_bytes"].append(kv_heads)
         arrays["attention_seq"].append(kv_len)
     return arrays
 
 
-def _attention_length(node: torch.fx.Node) -> int:
-    """The keys an attention node attends over: dim -2 of its key ([batch, heads, keys, dim]),
-    the tokens of a language model, the patches of an image model."""
-    key = node.args[1] if len(node.args) > 1 else None
-    shape = getattr(key.meta.get("val"), "shape", None) if isinstance(key, torch.fx.Node) else None
-    return int(shape[-2]) if shape is not None and len(shape) >= 2 else 0
+# the ops a grouped-query attention's K/V expansion is made of (`repeat_kv`, `repeat_interleave`
+# as views or a copy): they change the layout or repeat the heads, never the values
+_EXPANSION_OPS = ("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "clone", "transpose",
+                  "permute", "repeat_interleave", "repeat", "contiguous", "squeeze")
+
+
+def _unexpanded_bytes(value: torch.fx.Node, analysis: GraphAnalysis) -> int:
+    """Bytes of an attention's K or V before a grouped-query expansion: the smallest value on
+    the chain of layout and repeat ops that made it (the kv heads' own tensor; the value
+    itself where nothing expanded it)."""
+    smallest, node = analysis.nodes[value.name].nbytes, value
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
+           and _op_name(node) in _EXPANSION_OPS):
+        node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.name in analysis.nodes:
+            smallest = min(smallest, analysis.nodes[node.name].nbytes)
+    return smallest
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """An aten op's name without its namespace and overload ("view" of aten.view.default)."""
+    parts = str(node.target).split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "aten" else ""
 
 
 def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarray:

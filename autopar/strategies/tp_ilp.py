@@ -48,12 +48,12 @@ import torch
 from ortools.linear_solver import pywraplp
 
 from autopar.analysis.fusion import external_bytes, fusion_groups
-from autopar.analysis.graph import GraphAnalysis
+from autopar.analysis.graph import GraphAnalysis, attention_keys
 from autopar.capture.joint import TrainingGraph
 from autopar.strategies.tp_recipe import COL, REPLICATED, ROW, VOCAB, TPRecipe, find_tp_recipe
 from cost import Cluster, collective_time
 from cost.terms.common import comm_overlap, default_precision
-from cost.terms.compute import compute_dtype, roofline_times
+from cost.terms.compute import attention_efficiency, compute_dtype, roofline_times
 from cost.terms.tensor_parallel import event_collective, tp_group
 from passes.grouped_matmul import is_grouped_forward
 from vocab.plan_types import block_pattern
@@ -537,12 +537,13 @@ def _kernels(graph: TrainingGraph, analysis: GraphAnalysis, fused: bool) -> tupl
     inputs and outputs)."""
     groups = fusion_groups(graph, analysis) if fused else {}
     ext_inputs, leaves = external_bytes(graph, analysis, groups)
-    names, flops, vflops, nbytes, is_matmul, launch = [], [], [], [], [], []
+    names, flops, vflops, nbytes, is_matmul, launch, keys = [], [], [], [], [], [], []
     for node in graph.gm.graph.nodes:
         if node.op != "call_function" or analysis.nodes[node.name].is_view:
             continue  # views launch no kernel and move no bytes
         i = analysis.nodes[node.name]
         names.append(node.name)
+        keys.append(attention_keys(node))
         flops.append(i.executed_flops)
         vflops.append(i.vector_flops)
         read = sum(analysis.nodes[a.name].nbytes for a in ext_inputs[node.name])
@@ -550,21 +551,29 @@ def _kernels(graph: TrainingGraph, analysis: GraphAnalysis, fused: bool) -> tupl
         is_matmul.append(i.is_matmul or i.flops > 0)
         launch.append(groups.get(node.name, node.name) == node.name)
     f, v, b = (np.array(a, dtype=float) for a in (flops, vflops, nbytes))
-    return names, f, v, b, np.array(is_matmul, dtype=bool), np.array(launch, dtype=bool)
+    return (names, f, v, b, np.array(is_matmul, dtype=bool), np.array(launch, dtype=bool),
+            np.array(keys, dtype=float))
 
 
 def _node_seconds(kernels: tuple, cluster: Cluster, tp: int) -> tuple[dict[str, float], dict[str, float]]:
     """Step seconds of every node of ``kernels`` (`_kernels`), whole and split ``tp`` ways: the
     roofline of `cost.terms.compute.roofline_times` (the step model's), in the cluster's
-    default precision, slowed by `CostParams.framework_efficiency` as `predict` does."""
-    names, f, v, b, mm, ln = kernels
+    default precision, an attention (forward or backward) no faster than its rate at its keys
+    (`cost.terms.compute.attention_efficiency`), slowed by `CostParams.framework_efficiency`
+    as `predict` does."""
+    names, f, v, b, mm, ln, keys = kernels
     gpu = cluster.gpu
-    dtype = np.full(f.shape, compute_dtype(gpu, default_precision(cluster)))
+    precision = compute_dtype(gpu, default_precision(cluster))
+    dtype = np.full(f.shape, precision)
+    att = (keys > 0) & (f > 0) & (not gpu.is_cpu)
     out = []
     for div in (1, tp):
-        t = (roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype,
-                            cluster.params.gemm_half_scale)
-             / cluster.params.framework_efficiency)
+        t = roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype, cluster.params.gemm_half_scale)
+        if att.any():
+            rate = gpu.peak(precision) * attention_efficiency(
+                gpu, keys[att], cluster.params.attention_efficiency, precision)
+            t[att] = np.maximum(t[att], f[att] / div / rate)
+        t = t / cluster.params.framework_efficiency
         out.append(dict(zip(names, t.tolist())))
     return out[0], out[1]
 

@@ -83,7 +83,8 @@ def node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarray
 def times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
     """What `node_times` depends on: equal keys, equal node times."""
     return (cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
-            cluster.params.attention_efficiency,
+            cluster.params.attention_efficiency, cluster.gpu.attention_efficiency,
+            cluster.gpu.native_attention_efficiency,
             layout.tp, layout.cp, layout.sp, layout.ep, layout.microbatch, facts.batch, layout.precision,
             _chosen_fp8(layout) if layout.fp8 == "auto" else layout.fp8, layout.fp8_recipe)
 
@@ -115,27 +116,36 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
             facts.expert_routed_rows * scale / cp, lay.ep), flops)
     times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                            cluster.params.gemm_half_scale)
-    att = np.flatnonzero(n.is_attention & (flops > 0))
+    att = np.flatnonzero((n.attention_seq > 0) & (flops > 0))
     if len(att) and not gpu.is_cpu:
-        # each attention at its own keys (a language model's tokens, an image model's patches)
+        # each attention, forward and backward, at its own keys (a language model's tokens, an
+        # image model's patches)
         rate = gpu.peak(compute_dtype(gpu, lay.precision)) * attention_efficiency(
-            gpu, n.attention_seq[att] / cp, cluster.params.attention_efficiency, compute_dtype(gpu, lay.precision))
+            gpu, n.attention_seq[att] / cp, cluster.params.attention_efficiency,
+            compute_dtype(gpu, lay.precision), facts.native_attention)
         times[att] = np.maximum(times[att], flops[att] / rate)
     return times
 
 
-def attention_efficiency(gpu: GPUSpec, seq, scale: float, dtype: str = "bf16"):
+def attention_efficiency(gpu: GPUSpec, seq, scale: float, dtype: str = "bf16",
+                         native: bool = False):
     """Fraction of the dense peak a flash-attention kernel (forward and backward, causal, its
     FLOPs counted as the kernel runs them: half the square) reaches at ``seq`` local tokens
     (a number or an array, one per attention node):
 
-        eff(s) = scale * e_gemm * s / (s + S_half)
+        eff(s) = scale * e_fa * s / (s + S_half)
 
-    ``e_gemm`` the GPU's large-GEMM efficiency, ``scale`` `CostParams.attention_efficiency`
-    (the long-sequence attention rate over the GEMM rate), S_half `ATTENTION_HALF_SEQ`: the
-    tiles on the causal diagonal, the per-(batch, head) prologue and the softmax rescaling
-    weigh more at short sequences."""
-    return scale * gpu.efficiency(dtype) * seq / (seq + ATTENTION_HALF_SEQ)
+    ``e_fa`` the GPU's FlashAttention-2 rate at long sequences in the kernels' own benchmarks
+    (`GPUSpec.attention_efficiency`), ``scale`` `CostParams.attention_efficiency` (what a
+    training framework running it reaches of it); ``native`` (`StepFacts.native_attention`):
+    the architecture's own fused attention at its benchmark rate instead
+    (`GPUSpec.native_attention_efficiency`, scale 1: no run of it was fitted), S_half
+    `ATTENTION_HALF_SEQ`: the tiles on the causal
+    diagonal, the per-(batch, head) prologue and the softmax rescaling weigh more at short
+    sequences. ``dtype``: the attention's (a fp32 attention runs at the fp32 peak's share)."""
+    share = gpu.efficiency(dtype) / gpu.efficiency("bf16") if dtype != "bf16" and "bf16" in gpu.peak_flops else 1.0
+    rate = gpu.native_attention_efficiency if native else scale * gpu.attention_efficiency
+    return rate * share * seq / (seq + ATTENTION_HALF_SEQ)
 
 
 def fp8_candidates(facts: StepFacts, layout: Layout) -> np.ndarray:

@@ -29,6 +29,10 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
         forward    (cp - 1) max(0, c - a / cp)
         backward   (cp - 1) (c + max(0, c - 2 a / cp))   (dK/dV follow their block, not overlapped)
 
+    The ring sends the attention's K and V inputs as autopar's ring does: after a grouped-query
+    expansion, heads / kv_heads times the kv heads' bytes; those bytes alone where the framework
+    expands after the exchange (`StepFacts.cp_kv_heads`, Transformer Engine).
+
     Contiguous blocks (``cp_balance=False``): under a causal mask rank r attends r + 1/2 of
     its cp blocks, the last (2cp - 1) / cp times the average; the others wait for it at the
     ring's transfers, (cp - 1) / cp x 3 a more per attention (forward and backward), added here.
@@ -39,7 +43,8 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
         return exposed_per_stage
     group = axis_group(cluster, cp, tp)
     att = n.is_attention
-    kv_local = n.attention_kv_bytes[att] * scale / cp / np.where(n.tp_div[att], tp, 1)
+    kv = n.attention_kv_heads_bytes if facts.cp_kv_heads else n.attention_kv_bytes
+    kv_local = kv[att] * scale / cp / np.where(n.tp_div[att], tp, 1)
     step = np.array([collective_time("send_recv", float(k), group, cluster) for k in kv_local])
     a = times[att]
     per_step = a / cp

@@ -41,7 +41,8 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
             n_layers: int, fwd_s: float, bwd_s: float, recompute_s: float,
             tp_hidden_fwd_s: float = 0.0, tp_hidden_bwd_s: float = 0.0,
             copied_params: float | None = None, expert_params: float = 0.0,
-            pipeline_reduce_hidden: bool = False) -> tuple[float, float]:
+            pipeline_reduce_hidden: bool = False,
+            param_gather_hidden: bool = False) -> tuple[float, float]:
     """(exposed, total) seconds of the data-parallel communication of one step (0 without DP).
 
     The group is the dp ranks (dp*cp with CP: CP ranks hold the same weights). DP reduces the
@@ -68,6 +69,10 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
     Under a pipeline the whole gradients (DP, ZeRO-1) are reduced after the schedule
     (`runtime.pipeline`), exposed, unless ``pipeline_reduce_hidden`` (measured runs of
     Megatron-LM, whose last micro-batch's backward hides it: `StepFacts.pipeline_reduce_hidden`).
+    ZeRO-1/2's gather of the updated weights is exposed, unless ``param_gather_hidden``
+    (Megatron-Core's ``overlap_param_gather``: each block's gather runs behind the next step's
+    forward of the blocks before it, so the first micro-batch's forward that TP does not
+    occupy hides it, at the same overlap share and slowdown).
     """
     dp_group_size = lay.dp * lay.cp
     if dp_group_size == 1:
@@ -89,18 +94,22 @@ def dp_comm(cluster: Cluster, lay: Layout, rec: PrecisionRecipe, stage_params: f
                    for n, g in parts if g is not None and n > 0)
     kind = "all_reduce" if lay.zero == 0 else zero_reduction(cluster)
     sync = sum(bucketed(kind, n * grad_per_param, g, cluster) for n, g in parts if g is not None)
-    after = 0.0
-    if 0 < lay.zero < 3:
-        after = gather_all() + gather_copy_s(cluster, copied_bytes, dp_group_size)
     params = cluster.params
     overlap = comm_overlap(cluster) * params.dp_overlap
+    after = after_total = 0.0
+    if 0 < lay.zero < 3:
+        gather = gather_all()
+        hidden = min(gather, overlap * max(0.0, fwd_s - tp_hidden_fwd_s)) if param_gather_hidden else 0.0
+        copies = gather_copy_s(cluster, copied_bytes, dp_group_size)
+        after = gather - hidden + params.overlap_slowdown * hidden + copies
+        after_total = gather + copies
     hideable = lay.pp == 1 or lay.zero >= 2 or pipeline_reduce_hidden
     hidden_sync = min(sync, overlap * max(0.0, bwd_s + recompute_s - tp_hidden_bwd_s)) if hideable else 0.0
     # whole gradients (DP, ZeRO-1) are reduced once per step, after the last micro-batch
     # (DDP's no_sync); sharded ones (ZeRO-2/3) by every micro-batch, each behind its backward
     syncs = m if lay.zero >= 2 else 1
     exposed = syncs * (sync - hidden_sync + params.overlap_slowdown * hidden_sync) + after
-    total = syncs * sync + after
+    total = syncs * sync + after_total
     if lay.zero == 3:
         # prefetched one block ahead: hidden behind what that micro-batch's compute has left;
         # for the forward and again for the backward unless the gathered weights are kept

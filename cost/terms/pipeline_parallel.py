@@ -6,6 +6,7 @@ from cost.cluster import Cluster
 from cost.comm import Group, axis_group, collective_time
 from cost.pipeline import bubble_fraction, pipeline_step_time
 from cost.step_facts import StepFacts
+from cost.terms.common import comm_overlap
 from vocab.layout import Layout
 
 
@@ -31,6 +32,22 @@ def p2p_time(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float,
     if cluster.host_share is not None:
         overhead += cluster.host_share.wait_per_compute * stage_s
     return collective_time("send_recv", boundary, pair, cluster) + overhead
+
+
+def p2p_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, p2p_s: float,
+                stage_s: float) -> float:
+    """Seconds of one stage-to-stage transfer (``p2p_s``, `p2p_time`) left on the critical path.
+
+    All of it, unless the framework overlaps the interleaved schedule's transfers with compute
+    (`StepFacts.p2p_hidden`, Megatron's ``overlap_p2p_comm``; only with interleave depth
+    v > 1): a slot's 2v transfers then run behind the slot's compute ``stage_s``; what exceeds
+    it stays exposed, and each hidden second costs `CostParams.overlap_slowdown`, as every
+    overlapped collective does."""
+    if not facts.p2p_hidden or lay.pp == 1 or lay.virtual_stages == 1:
+        return p2p_s
+    transfers = 2 * lay.virtual_stages
+    hidden = min(p2p_s, comm_overlap(cluster) * stage_s / transfers)
+    return p2p_s - hidden + cluster.params.overlap_slowdown * hidden
 
 
 def pipeline_time(slowest_stage_s: float, p2p_s: float, lay: Layout) -> tuple[float, float]:

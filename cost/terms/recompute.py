@@ -253,11 +253,18 @@ def staged_activation_memory(facts: StepFacts, local: np.ndarray, stage: np.ndar
 
 
 def staged_rerun(facts: StepFacts, choices: tuple[RecomputeChoice, ...], node_stage: np.ndarray) -> np.ndarray:
-    """Which nodes the backward runs again, each under its stage's choice."""
+    """Which nodes the backward runs again, each under its stage's choice. A framework's full
+    recompute (`StepFacts.framework_memory`, `framework_kept`: a block checkpoint keeping only
+    the block's input) runs every forward node of the blocks again, the attention included
+    (autopar's pass keeps the attention outputs and does not)."""
     rerun = np.zeros(len(facts.nodes), dtype=bool)
     for choice in set(choices):
         on = np.isin(node_stage, [s for s in range(len(choices)) if choices[s] == choice])
-        rerun |= columns(facts, choice).rerun & on
+        again = columns(facts, choice).rerun
+        if facts.framework_memory and choice.mode == "full":
+            nodes = facts.nodes
+            again = again | (nodes.forward & (nodes.layer >= 0) & (nodes.layer < facts.n_layers))
+        rerun |= again & on
     return rerun
 
 

@@ -150,13 +150,12 @@ def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):
     # only the SP gathers overlap with the column matmul they feed (Megatron splits that
     # all-gather along the sequence and pipelines it with the GEMM); a gather a replicated use
     # needs (``always``: a fallback op, a replicated weight) has nothing to hide behind
-    gather_ov = ~ev.reduce & ev.forward & ~ev.always
-    reduce_ov = ev.reduce & ~ev.forward
+    gather_ov, reduce_ov, hides_g, hides_r = _overlapped(facts, lay)
     fixed = np.bincount(ev_slot, weights=cost * ~(gather_ov | reduce_ov), minlength=slots)
     g = np.bincount(ev_slot, weights=cost * gather_ov, minlength=slots)
     r = np.bincount(ev_slot, weights=cost * reduce_ov, minlength=slots)
-    hide_g = np.bincount(node_slot, weights=times * nodes.hides_gather, minlength=slots)
-    hide_r = np.bincount(node_slot, weights=times * nodes.hides_reduce, minlength=slots)
+    hide_g = np.bincount(node_slot, weights=times * hides_g, minlength=slots)
+    hide_r = np.bincount(node_slot, weights=times * hides_r, minlength=slots)
     overlap = comm_overlap(cluster) * cluster.params.tp_overlap
     exposed = exposed_after_overlap(fixed, g, r, hide_g, hide_r, overlap,
                                     cluster.params.overlap_slowdown)
@@ -165,6 +164,21 @@ def _compute_tp_comm(facts, cluster, lay, times, scale, n_layers, pp):
     slot_stage = stage_of(facts, np.arange(slots) - 1, cluster, lay)
     return tuple(np.bincount(slot_stage, weights=w, minlength=pp)
                  for w in (exposed, hidden_fwd, hidden_bwd))
+
+
+def _overlapped(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, ...]:
+    """(forward events that overlap, backward events that overlap, nodes hiding the first,
+    nodes hiding the second): by default the SP gathers behind the column matmuls they feed
+    and the backward reductions behind the weight-gradient matmuls; under
+    `StepFacts.tp_overlap_all` with SP (Transformer Engine's userbuffers) every event but a
+    replicated use's gather, each behind its direction's TP-sharded matmuls."""
+    ev, nodes = facts.events, facts.nodes
+    if facts.tp_overlap_all and lay.sp:
+        sharded = nodes.is_matmul & nodes.tp_div
+        return (ev.forward & ~ev.always, ~ev.forward & ~ev.always,
+                sharded & nodes.forward, sharded & ~nodes.forward)
+    return (~ev.reduce & ev.forward & ~ev.always, ev.reduce & ~ev.forward,
+            nodes.hides_gather, nodes.hides_reduce)
 
 
 def tp_small_collectives(facts: StepFacts, cluster: Cluster, lay: Layout, scale: float,

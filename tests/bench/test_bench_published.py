@@ -17,7 +17,7 @@ from bench.published import (
     scores,
     textbook_price,
 )
-from bench.published_runs import COLUMNS, read_published, short_source
+from bench.published_runs import COLUMNS, MEGATRON_CORE, read_published, short_source
 from cost.params import CostParams
 
 
@@ -96,6 +96,25 @@ def test_reader_converts_metrics_and_marks_assumptions(tmp_path):
     assert r_step.tok_s_gpu == pytest.approx(32 * 64 / 2.0 / 8)
     assert set(r_step.assumed) == {"zero", "recompute", "sp"} and r_step.layout.zero == 1
     assert r_fp8.layout.fp8 == "all" and r_fp8.layout.zero == 1 and not r_fp8.assumed
+
+
+def test_nvidia_recipes_are_priced_with_megatron_cores_overlaps(tmp_path):
+    """Runs whose source names NeMo or Megatron-Bridge are Megatron-Core's performance recipes:
+    priced with its TP, pipeline, weight-gather and ring overlaps; other sources are not."""
+    shape = dict(layers=4, hidden=128, ffn_hidden=352, heads=8, kv_heads=2, vocab=256,
+                 seq_len=256, num_gpus=16, dp=2, tp=4, pp=2, virtual_pp=2, sp=1, microbatch=1,
+                 global_batch_sequences=16, zero_or_fsdp="1", precision="bf16")
+    rows = [_row(source=src, **shape) for src in
+            ("NeMo performance summary, NeMo 24.07", "Megatron-Bridge performance summary",
+             "Narayanan et al. 2021 'Efficient'")]
+    nemo, bridge, other = read_published(_write(tmp_path, rows))
+    assert nemo.framework == bridge.framework == MEGATRON_CORE and other.framework == ""
+    pricer = PublishedPricer(CostParams())
+    flags = ("tp_overlap_all", "p2p_hidden", "param_gather_hidden", "cp_kv_heads")
+    assert all(getattr(pricer.facts(nemo), f) for f in flags)
+    assert not any(getattr(pricer.facts(other), f) for f in flags)
+    fast, slow = pricer.price([bridge, other]).tps
+    assert fast > slow  # the same layout of the same model, its communication hidden
 
 
 @pytest.mark.parametrize("change, match", [

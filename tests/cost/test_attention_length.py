@@ -4,7 +4,6 @@ dim 1 is its channels, not a sequence)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,15 +54,20 @@ def test_an_image_model_attends_over_its_patches(smooth):
     att = facts.nodes.is_attention & (facts.nodes.flops > 0)
     assert att.sum() == 1 and facts.seq == 3  # dim 1 of the image: its channels
     assert facts.nodes.attention_seq[att].tolist() == [256]  # (64 / 4) ** 2 patches
-    assert np.all(facts.nodes.attention_seq[~facts.nodes.is_attention] == 0)
-    # the attention's floor is its FLOPs at the rate of 256 keys, not of 3
+    # its backward attends over the same keys (and runs at the attention's rate); no other node
+    backward = (facts.nodes.attention_seq > 0) & ~facts.nodes.is_attention
+    assert backward.sum() == 1 and not facts.nodes.forward[backward].any()
+    assert facts.nodes.attention_seq[backward].tolist() == [256]
+    assert "attention" in facts.nodes.name[backward][0] and "backward" in facts.nodes.name[backward][0]
+    # each attention's floor is its FLOPs at the rate of 256 keys, not of 3
     big = facts.rebatch(1 << 16)
     times = node_times(big, cluster, autopar.Layout(dp=8, microbatch=8192, grad_accum=1))
     gpu, scale = cluster.gpu, cluster.params.attention_efficiency
-    at_patches = big.nodes.flops[att] / (gpu.peak("bf16") * attention_efficiency(gpu, 256, scale)) / 8
-    assert times[att][0] >= at_patches[0] * (1 - 1e-9)
-    at_channels = big.nodes.flops[att] / (gpu.peak("bf16") * attention_efficiency(gpu, 3, scale)) / 8
-    assert times[att][0] < at_channels[0] / 10
+    for node in (att, backward):
+        at_patches = big.nodes.flops[node] / (gpu.peak("bf16") * attention_efficiency(gpu, 256, scale)) / 8
+        assert times[node][0] >= at_patches[0] * (1 - 1e-9)
+        at_channels = big.nodes.flops[node] / (gpu.peak("bf16") * attention_efficiency(gpu, 3, scale)) / 8
+        assert times[node][0] < at_channels[0] / 10
 
 
 def test_a_language_model_attends_over_its_tokens():
