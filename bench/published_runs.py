@@ -23,7 +23,7 @@ How a row becomes a model and a layout (one rule for every row, none per model o
   performance recipes on Megatron-Core (`MEGATRON_CORE`), whose `CommOverlapConfig` overlaps
   TP communication with GEMMs under SP (Transformer Engine's userbuffers), the interleaved
   schedule's transfers and the distributed optimizer's weight gather with compute; the
-  pricer prices those overlaps (`bench.published.PublishedPricer.facts`). Any other source:
+  pricer prices those overlaps (`bench.published.PublishedPricer.framework_facts`). Any other source:
   the overlaps autopar's runtime has;
 - not stated (empty): micro-batch 1, ZeRO-1 (Megatron's distributed optimizer, the recipes'
   default), no recompute, SP where tp > 1, a pipeline's interleave depth 1; such a run is

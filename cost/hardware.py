@@ -31,7 +31,8 @@ class GPUSpec:
         backward reach at long sequences, head dim 128, in the kernels' own benchmarks
         (`cost.terms.compute.attention_efficiency` scales it by `CostParams.attention_efficiency`).
     native_attention_efficiency: the same for the architecture's own fused attention (cuDNN's,
-        FlashAttention-3's on Hopper), which Transformer Engine runs (`StepFacts.native_attention`).
+        FlashAttention-3's on Hopper), which Transformer Engine runs (`StepFacts.native_attention`);
+        0 where there is none beyond FlashAttention-2's kernels (Ampere).
     source: where the numbers come from.
     """
 
@@ -46,7 +47,7 @@ class GPUSpec:
     matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
     sm_count: int = 0
     attention_efficiency: float = 0.35
-    native_attention_efficiency: float = 0.35
+    native_attention_efficiency: float = 0.0
 
     @property
     def is_cpu(self) -> bool:
@@ -190,7 +191,6 @@ GPUS: dict[str, GPUSpec] = {
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=108,  # datasheet: 108 SMs
         attention_efficiency=FA2_AMPERE_EFFICIENCY,
-        native_attention_efficiency=FA2_AMPERE_EFFICIENCY,  # no Hopper instructions: the same
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB, dense); efficiencies and kernel "
             "floor assumed equal to the H200 measurements on this workplace"
@@ -206,7 +206,6 @@ GPUS: dict[str, GPUSpec] = {
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=108,  # datasheet: 108 SMs
         attention_efficiency=FA2_AMPERE_EFFICIENCY,
-        native_attention_efficiency=FA2_AMPERE_EFFICIENCY,  # no Hopper instructions: the same
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB, dense); efficiencies and kernel "
             "floor assumed equal to the H200 measurements on this workplace"

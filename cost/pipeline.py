@@ -88,7 +88,7 @@ def pipeline_step_time(
     p2p_s: time of one point-to-point transfer between adjacent stages (activations forward;
         the gradient going back is the same size). Each micro-batch slot carries one of each,
         v of each under interleaving (the playbook: v times the point-to-point traffic);
-        they are assumed not to overlap with compute.
+        the caller passes what compute leaves exposed (`cost.terms.pipeline_parallel.p2p_exposed`).
     total = (m + bubble slots) * slot, bubble = bubble slots * slot, with
     bubble slots = bubble_fraction * m ((p-1) for 1F1B).
     """

@@ -22,7 +22,9 @@ from pathlib import Path
 
 from .params import CostParams
 
-PROFILE_VERSION = 1
+# 2: `CostParams.attention_efficiency` is a share of the GPU's FlashAttention-2 rate, no longer
+# of its GEMM rate: a version-1 value would price attention about 2x slower
+PROFILE_VERSION = 2
 PROFILE_KIND = "autopar-cost-profile"
 
 

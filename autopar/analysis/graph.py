@@ -318,13 +318,15 @@ ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 
 def attention_keys(node: torch.fx.Node) -> int:
     """The keys a fused attention node attends over, forward or backward (0 for any other
-    node): dim -2 of its key ([batch, heads, keys, dim]; argument 1 of the forward ops, 2 of
-    their backward ops, after the output's gradient), the tokens of a language model, the
-    patches of an image model."""
+    node), read off its key (argument 1 of the forward ops, 2 of their backward ops, after the
+    output's gradient): dim -2 of SDPA's [batch, heads, keys, dim], dim -3 of the flash and
+    memory-efficient kernels' own [batch, keys, heads, dim]; the tokens of a language model,
+    the patches of an image model."""
     target = str(node.target)
     if node.op != "call_function" or not any(k in target for k in ATTENTION_OPS):
         return 0
     index = 2 if "backward" in target else 1
+    dim = -2 if "scaled_dot_product" in target else -3
     key = node.args[index] if len(node.args) > index else None
     shape = getattr(key.meta.get("val"), "shape", None) if isinstance(key, torch.fx.Node) else None
-    return int(shape[-2]) if shape is not None and len(shape) >= 2 else 0
+    return int(shape[dim]) if shape is not None and len(shape) >= -dim else 0

@@ -203,7 +203,7 @@ class RunPricer:
         self.gpus_per_node = gpus_per_node
         self.progress = progress
         self._captured: dict[tuple[str, int], object] = {}
-        self._facts: dict[tuple[str, int, int, int], StepFacts] = {}
+        self._facts: dict[tuple, StepFacts] = {}  # (model, seq, global batch, tp, kind)
         self._clusters: dict[int, Cluster] = {}
 
     def cluster(self, nodes: int, params=None) -> Cluster:

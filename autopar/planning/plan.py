@@ -27,7 +27,7 @@ from cost.step import Prediction, StepFacts, predict
 from vocab.layout import unsupported_decisions
 from vocab.plan_types import ExecutionReport, Fallback, PlanDecisions, RecomputeChoice
 
-PLAN_VERSION = 2  # 2: the decisions (vocab.plan_types) travel whole
+PLAN_VERSION = 3  # 2: the decisions (vocab.plan_types) travel whole; 3: attention rates per GPU
 
 
 @dataclass

@@ -139,11 +139,13 @@ def attention_efficiency(gpu: GPUSpec, seq, scale: float, dtype: str = "bf16",
     (`GPUSpec.attention_efficiency`), ``scale`` `CostParams.attention_efficiency` (what a
     training framework running it reaches of it); ``native`` (`StepFacts.native_attention`):
     the architecture's own fused attention at its benchmark rate instead
-    (`GPUSpec.native_attention_efficiency`, scale 1: no run of it was fitted), S_half
+    (`GPUSpec.native_attention_efficiency`, scale 1: no run of it was fitted; where the GPU has
+    none, FlashAttention-2's scaled rate), S_half
     `ATTENTION_HALF_SEQ`: the tiles on the causal
     diagonal, the per-(batch, head) prologue and the softmax rescaling weigh more at short
     sequences. ``dtype``: the attention's (a fp32 attention runs at the fp32 peak's share)."""
     share = gpu.efficiency(dtype) / gpu.efficiency("bf16") if dtype != "bf16" and "bf16" in gpu.peak_flops else 1.0
+    native = native and gpu.native_attention_efficiency > 0  # else FlashAttention-2's kernels
     rate = gpu.native_attention_efficiency if native else scale * gpu.attention_efficiency
     return rate * share * seq / (seq + ATTENTION_HALF_SEQ)
 

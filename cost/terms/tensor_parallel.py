@@ -174,7 +174,8 @@ def _overlapped(facts: StepFacts, lay: Layout) -> tuple[np.ndarray, ...]:
     replicated use's gather, each behind its direction's TP-sharded matmuls."""
     ev, nodes = facts.events, facts.nodes
     if facts.tp_overlap_all and lay.sp:
-        sharded = nodes.is_matmul & nodes.tp_div
+        # the linear layers' GEMMs, not the attention kernels (TE overlaps only the former)
+        sharded = nodes.is_matmul & nodes.tp_div & (nodes.attention_seq == 0)
         return (ev.forward & ~ev.always, ~ev.forward & ~ev.always,
                 sharded & nodes.forward, sharded & ~nodes.forward)
     return (~ev.reduce & ev.forward & ~ev.always, ev.reduce & ~ev.forward,

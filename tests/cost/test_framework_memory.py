@@ -161,6 +161,8 @@ def test_attention_rate_rises_with_sequence():
     native = attention_efficiency(gpu, 1 << 20, 0.5, native=True)
     assert native == pytest.approx(gpu.native_attention_efficiency, rel=1e-3)  # not scaled
     assert native > attention_efficiency(gpu, 1 << 20, 1.0)
+    # an A100 has no kernel beyond FlashAttention-2's: the native flag prices that, scaled
+    assert attention_efficiency(a100, 1 << 20, 0.5, native=True) == attention_efficiency(a100, 1 << 20, 0.5)
 
 
 def test_attention_efficiency_prices_attention(facts):

@@ -96,6 +96,13 @@ def test_pipelined_tp_hides_every_sp_collective_and_only_under_sp(llama_step):
     ours, theirs = _both(facts, H100_8, sp, tp_overlap_all=True)
     assert theirs["tp_comm_s"] < 0.6 * ours["tp_comm_s"]
     assert theirs["compute_s"] == pytest.approx(ours["compute_s"])
+    # they hide behind the linear layers' GEMMs only, not the attention kernels
+    from cost.terms.tensor_parallel import _overlapped
+
+    _, _, hide_fwd, hide_bwd = _overlapped(dataclasses.replace(facts, tp_overlap_all=True), sp)
+    attention = facts.nodes.attention_seq > 0
+    assert attention.any() and not (hide_fwd | hide_bwd)[attention].any()
+    assert hide_fwd.any() and hide_bwd.any()
     # Transformer Engine's userbuffers need SP: all-reduces are priced as before
     no_sp = Layout(tp=8, sp=False, microbatch=1, grad_accum=16)
     ours, theirs = _both(facts, H100_8, no_sp, tp_overlap_all=True)
