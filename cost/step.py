@@ -266,9 +266,9 @@ def predict(
     slowest = int(np.argmax(stage_time))
 
     # ---- the step: pipeline, data-parallel sync, optimizer
-    p2p = p2p_exposed(facts, cluster, lay, p2p_time(facts, cluster, lay, scale, float(stage_time[slowest])),
-                      float(stage_time[slowest]))
-    pipe_total, bubble = pipeline_time(float(stage_time[slowest]), p2p, lay)
+    slot_s = float(stage_time[slowest])
+    p2p = p2p_exposed(facts, cluster, lay, p2p_time(facts, cluster, lay, scale, slot_s), slot_s)
+    pipe_total, bubble = pipeline_time(slot_s, p2p, lay)
     pipe_total += loss_broadcast(cluster, lay)
     params_stage = params_per_stage(facts, cluster, lay)
     worst_params = float(params_stage.max())

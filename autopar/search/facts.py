@@ -166,15 +166,13 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         out_bd = bd.get(node.name, False)
         written = info.bytes_written if parts.leaves[node.name] else 0
         tp_div = state == "S" or node.name in tp.sharded_matmul
-        attention = any(k in str(node.target) for k in ATTENTION_OPS)
-        is_attn = attention and info.phase == "forward"
-        kv, kv_heads, kv_len = 0, 0, 0
+        is_attn = any(k in str(node.target) for k in ATTENTION_OPS) and info.phase == "forward"
+        kv = kv_heads = 0
         if is_attn:
             kv_args = [a for a in node.args[1:3] if isinstance(a, torch.fx.Node)]
             kv = sum(analysis.nodes[a.name].nbytes for a in kv_args)
             kv_heads = sum(_unexpanded_bytes(a, analysis) for a in kv_args)
-        if attention:  # the backward too: it runs at the attention's rate, not a GEMM's
-            kv_len = attention_keys(node)
+        kv_len = attention_keys(node)  # the backward's too: it runs at the attention's rate
         fp8_weight, fp8_role = parts.fp8_roles.get(node.name, ("", ""))
         fp8_act = fp8_const = 0
         if fp8_weight:  # the casts it pays: a cast shared with other matmuls, its share
@@ -229,8 +227,7 @@ def _unexpanded_bytes(value: torch.fx.Node, analysis: GraphAnalysis) -> int:
 
 def _op_name(node: torch.fx.Node) -> str:
     """An aten op's name without its namespace and overload ("view" of aten.view.default)."""
-    parts = str(node.target).split(".")
-    return parts[1] if len(parts) > 2 and parts[0] == "aten" else ""
+    return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
 
 
 def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarray:

@@ -53,7 +53,7 @@ from autopar.capture.joint import TrainingGraph
 from autopar.strategies.tp_recipe import COL, REPLICATED, ROW, VOCAB, TPRecipe, find_tp_recipe
 from cost import Cluster, collective_time
 from cost.terms.common import comm_overlap, default_precision
-from cost.terms.compute import attention_efficiency, compute_dtype, roofline_times
+from cost.terms.compute import attention_floor, compute_dtype, roofline_times
 from cost.terms.tensor_parallel import event_collective, tp_group
 from passes.grouped_matmul import is_grouped_forward
 from vocab.plan_types import block_pattern
@@ -559,21 +559,16 @@ def _node_seconds(kernels: tuple, cluster: Cluster, tp: int) -> tuple[dict[str, 
     """Step seconds of every node of ``kernels`` (`_kernels`), whole and split ``tp`` ways: the
     roofline of `cost.terms.compute.roofline_times` (the step model's), in the cluster's
     default precision, an attention (forward or backward) no faster than its rate at its keys
-    (`cost.terms.compute.attention_efficiency`), slowed by `CostParams.framework_efficiency`
+    (`cost.terms.compute.attention_floor`), slowed by `CostParams.framework_efficiency`
     as `predict` does."""
     names, f, v, b, mm, ln, keys = kernels
     gpu = cluster.gpu
     precision = compute_dtype(gpu, default_precision(cluster))
     dtype = np.full(f.shape, precision)
-    att = (keys > 0) & (f > 0) & (not gpu.is_cpu)
     out = []
     for div in (1, tp):
         t = roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype, cluster.params.gemm_half_scale)
-        if att.any():
-            rate = gpu.peak(precision) * attention_efficiency(
-                gpu, keys[att], cluster.params.attention_efficiency, precision)
-            t[att] = np.maximum(t[att], f[att] / div / rate)
-        t = t / cluster.params.framework_efficiency
+        t = attention_floor(t, f / div, keys, cluster, precision) / cluster.params.framework_efficiency
         out.append(dict(zip(names, t.tolist())))
     return out[0], out[1]
 

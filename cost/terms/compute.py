@@ -116,15 +116,24 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
             facts.expert_routed_rows * scale / cp, lay.ep), flops)
     times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                            cluster.params.gemm_half_scale)
-    att = np.flatnonzero((n.attention_seq > 0) & (flops > 0))
-    if len(att) and not gpu.is_cpu:
-        # each attention, forward and backward, at its own keys (a language model's tokens, an
-        # image model's patches)
-        rate = gpu.peak(compute_dtype(gpu, lay.precision)) * attention_efficiency(
-            gpu, n.attention_seq[att] / cp, cluster.params.attention_efficiency,
-            compute_dtype(gpu, lay.precision), facts.native_attention)
-        times[att] = np.maximum(times[att], flops[att] / rate)
-    return times
+    return attention_floor(times, flops, n.attention_seq / cp, cluster, compute_dtype(gpu, lay.precision),
+                           facts.native_attention)
+
+
+def attention_floor(times: np.ndarray, flops: np.ndarray, keys: np.ndarray, cluster: Cluster,
+                    dtype: str, native: bool = False) -> np.ndarray:
+    """``times`` with each attention node (forward or backward: ``keys`` > 0, its local keys, a
+    language model's tokens, an image model's patches) no faster than ``flops`` at
+    `attention_efficiency`'s rate; unchanged on CPU ranks (no flash-attention kernel)."""
+    att = np.flatnonzero((keys > 0) & (flops > 0))
+    gpu = cluster.gpu
+    if not len(att) or gpu.is_cpu:
+        return times
+    rate = gpu.peak(dtype) * attention_efficiency(gpu, keys[att], cluster.params.attention_efficiency,
+                                                  dtype, native)
+    out = times.copy()
+    out[att] = np.maximum(times[att], flops[att] / rate)
+    return out
 
 
 def attention_efficiency(gpu: GPUSpec, seq, scale: float, dtype: str = "bf16",
