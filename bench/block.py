@@ -25,12 +25,15 @@ from cost import Cluster, Layout
 from cost.cluster import PROFILE_DIR
 from cost.compute import gemm_efficiency
 from cost.step import node_times
+from cost.terms.compute import attention_efficiency
 
 # The measurement ships with the cost model's profiles (package data of `cost`).
 DEFAULT_MEASURED = PROFILE_DIR / "h200_block_check.json"
 # Measurement files whose GEMMs the cost model's GEMM efficiencies were fitted on (by name:
 # the file is copied, not regenerated, so its name identifies the run).
 GEMM_FIT_FILES = frozenset({DEFAULT_MEASURED.name})
+# The measurement `cost.hardware`'s attention constants were fitted on (by name, as above)
+ATTENTION_FIT_FILES = frozenset({"h200_attention_check.json"})
 GEMM_FITTED_BY = ("GEMM_HALF_EFFICIENCY_FLOPS (cost/compute.py) and the bf16/fp8 efficiency "
                   "asymptotes (cost/hardware.py) were fitted on these GEMMs")
 IN_SAMPLE = "in-sample (fitted)"
@@ -39,7 +42,8 @@ HELD_OUT = "held out"
 
 def predicted_block_time(name: str, batch: int, seq: int, cluster: Cluster, fused: bool) -> float:
     """Predicted seconds of one block's forward+backward (bf16, one device)."""
-    cfg = dataclasses.replace(models.config(name), n_layers=2)
+    cfg = models.config(name)
+    cfg = dataclasses.replace(cfg, n_layers=2, max_seq=max(cfg.max_seq, seq))
     model = models.build(cfg, device="meta", dtype=torch.bfloat16)
     graph = capture(model, models.example_inputs(cfg, batch=batch, seq=seq, device="meta"))
     facts = build_step_facts(graph, analyze(graph), cfg, fused=fused)
@@ -74,8 +78,30 @@ def block_check(measured_path: str | Path = DEFAULT_MEASURED, gpu: str = "h200")
                               "measured_s": g[f"{dtype}_s"], "predicted_s": pred,
                               "ratio": pred / g[f"{dtype}_s"], "sample": gemm_sample})
     return {"device": measured.get("info", {}), "blocks": rows, "gemms": gemms,
+            "attention": attention_rows(measured, cluster, Path(measured_path).name in ATTENTION_FIT_FILES),
             "gemm_sample": gemm_sample,
             "gemm_fitted_by": GEMM_FITTED_BY if gemm_sample == IN_SAMPLE else None}
+
+
+def attention_rows(measured: dict, cluster: Cluster, fitted_file: bool) -> list[dict]:
+    """Predicted against measured fused attention (forward + backward) of a measurement's
+    "attention" rows: FlashAttention-2 at `CostParams.attention_efficiency` 1 (a kernel run
+    alone), cuDNN's as the GPU's native kernel; ``fitted_file``: the measurement whose causal
+    rows of equal heads `cost.hardware`'s attention constants were fitted on."""
+    gpu, out = cluster.gpu, []
+    for r in measured.get("attention", []):
+        if r["backend"] not in ("flash", "cudnn") or "fwd_bwd_s" not in r:
+            continue
+        native = r["backend"] == "cudnn"
+        eff = attention_efficiency(gpu, r["seq"], 1.0, native=native, head_dim=r["head_dim"])
+        fitted = fitted_file and r["causal"] and r["kv_heads"] == r["heads"]
+        kind = ("causal" if r["causal"] else "full") + (" GQA" if r["kv_heads"] != r["heads"] else "")
+        out.append({"backend": r["backend"], "seq": r["seq"], "head_dim": r["head_dim"], "kind": kind,
+                    "measured_s": r["fwd_bwd_s"], "predicted_s": 3 * r["fwd_flops"] / (gpu.peak("bf16") * eff),
+                    "sample": IN_SAMPLE if fitted else HELD_OUT})
+    for row in out:
+        row["ratio"] = row["predicted_s"] / row["measured_s"]
+    return out
 
 
 def format_block_check(result: dict) -> str:
@@ -100,4 +126,11 @@ def format_block_check(result: dict) -> str:
     fp8_line = (f"FP8 _scaled_mm over bf16, measured: mean {np.mean(speedups):.2f}x "
                 f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x)") if speedups else ""
     head = f"block check on {result['device'].get('device', '?')} ({result['device'].get('date', '')})"
-    return "\n".join([head, blocks, gemm_line, fp8_line])
+    att = result.get("attention", [])
+    attention = table(
+        ["kernel", "seq", "head dim", "mask", "measured ms", "predicted ms", "pred/meas", "sample"],
+        [[r["backend"], r["seq"], r["head_dim"], r["kind"], f"{r['measured_s'] * 1e3:.3f}",
+          f"{r['predicted_s'] * 1e3:.3f}", f"{r['ratio']:.2f}", r["sample"]] for r in att],
+        "lrrlrrrl",
+    ) if att else ""
+    return "\n".join(x for x in [head, blocks, gemm_line, fp8_line, attention] if x)

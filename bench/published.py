@@ -285,7 +285,8 @@ def run_published_bench(path: str | Path | None = None, max_evals: int = MAX_EVA
             "runs_detail": [{"row": r.row, "source": r.source, "model": r.name, "gpu": r.profile,
                              "seq": r.seq, "measured": r.tok_s_gpu, "held_out": float(tps[i]),
                              "fits": bool(fits[i]), "memory_gb": float(memory[i] / 1e9),
-                             "textbook": float(priced_rows["textbook"][0][i])}
+                             "textbook": float(priced_rows["textbook"][0][i]),
+                             "shipped": float(priced_rows["autopar (shipped profiles)"][0][i])}
                             for i, r in enumerate(runs)]}
 
 

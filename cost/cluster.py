@@ -520,7 +520,7 @@ class Cluster:
         gpu = self.gpu
         return (self.name, self.gpus_per_node, gpu.name, tuple(sorted(gpu.peak_flops.items())),
                 gpu.memory_bw, gpu.memory_efficiency, gpu.matmul_efficiency, gpu.kernel_floor_s,
-                gpu.attention_efficiency, gpu.native_attention_efficiency,
+                gpu.attention_efficiency, gpu.native_attention_efficiency, gpu.attention_half_seq,
                 self.intra, self.inter, tuple(sorted(self.intra_efficiency.items())),
                 self.inter_efficiency, self.base_latency, curves, self.curve_message_bytes,
                 self.curve_gpus_per_node, fits, self.params, self.host_share)

@@ -13,6 +13,27 @@ from dataclasses import dataclass, field
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
+# Fused attention, causal, forward + backward, bf16, as fractions of the dense bf16 peak, its
+# FLOPs counted as the cost model counts them (`autopar.analysis.graph`: forward 4*b*h*s*s*d,
+# backward twice that, both halved by the causal mask). Measured on an H200 with PyTorch 2.11's
+# SDPA backends, 512-64K tokens, head dims 64 and 128 (examples/gpu_attention_check.py,
+# cost/profiles/h200_attention_check.json) and fitted with
+#     eff(s, d) = e * s / (s + S_half) * d (128 + D_half) / (128 (d + D_half))
+# FlashAttention-2 (PyTorch's flash backend): e 0.288, S_half 933, D_half 17.8, all 16 rows within
+# 1.3 %; cuDNN's (Hopper's own fused attention, which Transformer Engine runs), S_half shared:
+# e 0.486, D_half 43.1, within 6.3 % (its 512-token rows the worst).
+HOPPER_FA2_EFFICIENCY = 0.288
+HOPPER_NATIVE_ATTENTION_EFFICIENCY = 0.486
+HOPPER_ATTENTION_HALF_SEQ = 933.0
+FA2_HALF_HEAD_DIM = 17.8
+NATIVE_HALF_HEAD_DIM = 43.1
+# FlashAttention-2 on an A100: ~190 of 312 TFLOP/s at 16K tokens, head dim 128, causal, its
+# backward counted as 2.5 forwards (Dao 2023, FlashAttention-2, fig. 4-6): 0.61 of the peak,
+# 0.61 * 3 / 3.5 = 0.52 in the count above. Its rate against length, read off the same figure
+# (~91 TFLOP/s at 512 tokens, ~158 at 2K, ~187 at 8K): S_half 512.
+AMPERE_FA2_EFFICIENCY = 0.61 * 3 / 3.5
+AMPERE_ATTENTION_HALF_SEQ = 512.0
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -28,11 +49,13 @@ class GPUSpec:
     kernel_floor_s: the least time any op takes, launch and dispatch overheads included.
     sm_count: streaming multiprocessors (informative; used by nothing that needs it exactly).
     attention_efficiency: fraction of the bf16 peak that FlashAttention-2's causal forward and
-        backward reach at long sequences, head dim 128, in the kernels' own benchmarks
-        (`cost.terms.compute.attention_efficiency` scales it by `CostParams.attention_efficiency`).
-    native_attention_efficiency: the same for the architecture's own fused attention (cuDNN's,
-        FlashAttention-3's on Hopper), which Transformer Engine runs (`StepFacts.native_attention`);
-        0 where there is none beyond FlashAttention-2's kernels (Ampere).
+        backward reach at long sequences, head dim 128, run alone (a kernel benchmark; FLOPs
+        counted as the cost model counts them; `cost.terms.compute.attention_efficiency` scales
+        it by `CostParams.attention_efficiency`).
+    native_attention_efficiency: the same for the architecture's own fused attention (cuDNN's
+        on Hopper), which Transformer Engine runs (`StepFacts.native_attention`); 0 where there
+        is none beyond FlashAttention-2's kernels (Ampere).
+    attention_half_seq: the tokens at which those kernels reach half their long-sequence rate.
     source: where the numbers come from.
     """
 
@@ -46,8 +69,9 @@ class GPUSpec:
     source: str
     matmul_efficiency_by_dtype: dict[str, float] = field(default_factory=dict)
     sm_count: int = 0
-    attention_efficiency: float = 0.35
+    attention_efficiency: float = HOPPER_FA2_EFFICIENCY
     native_attention_efficiency: float = 0.0
+    attention_half_seq: float = HOPPER_ATTENTION_HALF_SEQ
 
     @property
     def is_cpu(self) -> bool:
@@ -85,6 +109,7 @@ class GPUSpec:
             "sm_count": self.sm_count,
             "attention_efficiency": self.attention_efficiency,
             "native_attention_efficiency": self.native_attention_efficiency,
+            "attention_half_seq": self.attention_half_seq,
         }
 
     @classmethod
@@ -116,16 +141,6 @@ H200_DTYPE_EFFICIENCY = {
 # runtime executes per-rank graphs eagerly, so the eager figure is the floor.
 H200_MEASURED_KERNEL_FLOOR_S = 1.07e-5
 
-# FlashAttention-2's forward + backward, causal, head dim 128, 16K tokens, as fractions of the
-# dense bf16 peak: on an A100 ~190 of 312 TFLOP/s (Dao 2023, FlashAttention-2, fig. 4-6); on an
-# H100 SXM5 ~0.35 of 989 (Shah et al. 2024, FlashAttention-3, fig. 5-6: FlashAttention-2 runs
-# Ampere's kernels there, without Hopper's asynchronous tensor-core instructions)
-FA2_AMPERE_EFFICIENCY = 0.61
-FA2_HOPPER_EFFICIENCY = 0.35
-# Hopper's own fused attention (FlashAttention-3, cuDNN's, which Transformer Engine runs): ~0.65
-# of the peak forward and ~0.5 backward at the same shapes (Shah et al. 2024, fig. 5-6), 0.54
-# weighting the backward's twice the forward's FLOPs
-FA3_HOPPER_EFFICIENCY = 0.54
 
 _HOPPER_PEAKS = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5), dense figures (the sparse ones are 2x):
@@ -153,8 +168,8 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=132,  # datasheet: 132 SMs on the SXM5 part
-        attention_efficiency=FA2_HOPPER_EFFICIENCY,
-        native_attention_efficiency=FA3_HOPPER_EFFICIENCY,
+        attention_efficiency=HOPPER_FA2_EFFICIENCY,
+        native_attention_efficiency=HOPPER_NATIVE_ATTENTION_EFFICIENCY,
         source=(
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense); efficiencies and kernel floor "
             "assumed equal to the H200 measurements on this workplace (same Hopper chip)"
@@ -171,12 +186,13 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=132,  # measured: torch reports 132 multiprocessors
-        attention_efficiency=FA2_HOPPER_EFFICIENCY,  # the H100's SMs
-        native_attention_efficiency=FA3_HOPPER_EFFICIENCY,
+        attention_efficiency=HOPPER_FA2_EFFICIENCY,  # measured on this part
+        native_attention_efficiency=HOPPER_NATIVE_ATTENTION_EFFICIENCY,
         source=(
             "NVIDIA H200 Tensor Core GPU datasheet (SXM); 788 TFLOP/s bf16 8192^3 matmul "
             "measured on an H200 (a burst of ten), 4.3 TB/s device copy; dtype ratios and kernel "
-            "floor measured on an H200 (cost/profiles/h200_probe.json)"
+            "floor measured on an H200 (cost/profiles/h200_probe.json); fused attention rates "
+            "measured on an H200 (cost/profiles/h200_attention_check.json)"
         ),
     ),
     "a100-80gb": GPUSpec(
@@ -190,7 +206,8 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=108,  # datasheet: 108 SMs
-        attention_efficiency=FA2_AMPERE_EFFICIENCY,
+        attention_efficiency=AMPERE_FA2_EFFICIENCY,
+        attention_half_seq=AMPERE_ATTENTION_HALF_SEQ,
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB, dense); efficiencies and kernel "
             "floor assumed equal to the H200 measurements on this workplace"
@@ -205,7 +222,8 @@ GPUS: dict[str, GPUSpec] = {
         memory_efficiency=H200_MEASURED_COPY_EFFICIENCY,
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=108,  # datasheet: 108 SMs
-        attention_efficiency=FA2_AMPERE_EFFICIENCY,
+        attention_efficiency=AMPERE_FA2_EFFICIENCY,
+        attention_half_seq=AMPERE_ATTENTION_HALF_SEQ,
         source=(
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB, dense); efficiencies and kernel "
             "floor assumed equal to the H200 measurements on this workplace"
@@ -227,8 +245,8 @@ GPUS: dict[str, GPUSpec] = {
         kernel_floor_s=H200_MEASURED_KERNEL_FLOOR_S,
         sm_count=148,  # NVIDIA Blackwell architecture technical brief: 2 dies, 148 SMs
         # no FlashAttention figure for Blackwell: Hopper's fractions, an assumption
-        attention_efficiency=FA2_HOPPER_EFFICIENCY,
-        native_attention_efficiency=FA3_HOPPER_EFFICIENCY,
+        attention_efficiency=HOPPER_FA2_EFFICIENCY,
+        native_attention_efficiency=HOPPER_NATIVE_ATTENTION_EFFICIENCY,
         source=(
             "NVIDIA HGX B200 / DGX B200 datasheets (per GPU, dense = sparse / 2); efficiencies "
             "and kernel floor assumed equal to the H200 measurements on this workplace"

@@ -57,10 +57,10 @@ The parameters (bounds in `PARAMETERS`; the fit never leaves them):
   near capacity ran at their predicted speed (`bench published`: 0.92), so the datasheet
   profiles keep none (default 0). Not fitted (no least-squares residual sees it); measured
   runs are priced without it (`autopar.calibrate.runs.RunPricer`). GPUs only.
-- ``attention_efficiency``: the share of the GPU's FlashAttention-2 benchmark rate
-  (`GPUSpec.attention_efficiency`: 0.61 of the A100's peak, 0.35 of the H100's) that a training
-  framework's attention reaches, forward and backward (`cost.terms.compute.attention_efficiency`:
-  it falls at short sequences as s / (s + 512)). Default DEFAULT_ATTENTION: fitted to the
+- ``attention_efficiency``: the share of the GPU's FlashAttention-2 rate run alone
+  (`GPUSpec.attention_efficiency`, measured on an H200 against length and head dim:
+  `cost.hardware`) that a training framework's attention reaches, forward and backward
+  (`cost.terms.compute.attention_efficiency`). Default DEFAULT_ATTENTION: fitted to the
   playbook's 1B/8B runs on H100s (nanotron, FlashAttention-2; `cost/profiles/h100_efa_fit.json`,
   in-sample there, held out for other groups' runs in `bench published`).
 """
@@ -71,7 +71,7 @@ import dataclasses
 from dataclasses import dataclass
 
 # `CostParams.attention_efficiency`'s default: the playbook fit's (module docstring)
-DEFAULT_ATTENTION = 0.44
+DEFAULT_ATTENTION = 0.91
 
 # the shipped h100-efa profile's headroom, chosen on the playbook's runs leave one model out
 # (fitted on one model, ranking the other's cells): regret median 0.956 / 0.999 / 1.000 /
@@ -175,10 +175,10 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ParamSpec("memory_reserve_bytes", 0.5e9, 4e9, "bytes",
               "the playbook: 1-2 GB per GPU for the CUDA context and kernels (the middle)"),
     ParamSpec("activation_fragmentation", 1.0, 1.6, "bytes per live byte", "no fragmentation"),
-    # the kernels' own benchmark rate (`GPUSpec.attention_efficiency`) is the prior: short
+    # the kernel's own rate run alone (`GPUSpec.attention_efficiency`) is the prior: short
     # sequences barely constrain it (attention is a small share there)
-    ParamSpec("attention_efficiency", 0.2, 1.5, "x FlashAttention-2's benchmark rate",
-              "FlashAttention-2's benchmarks (FlashAttention-2 and -3 papers)", prior=1.0),
+    ParamSpec("attention_efficiency", 0.2, 1.5, "x FlashAttention-2's rate run alone",
+              "FlashAttention-2 measured alone (cost/profiles/h200_attention_check.json)", prior=1.0),
     ParamSpec("memory_headroom", 0.0, 0.3, "fraction of device memory",
               "none: other groups' tuned runs near capacity ran at their predicted speed"),
 )

@@ -23,8 +23,10 @@ from pathlib import Path
 from .params import CostParams
 
 # 2: `CostParams.attention_efficiency` is a share of the GPU's FlashAttention-2 rate, no longer
-# of its GEMM rate: a version-1 value would price attention about 2x slower
-PROFILE_VERSION = 2
+# of its GEMM rate: a version-1 value would price attention about 2x slower; 3: a share of the
+# rate measured on an H200 against length and head dim (`cost.hardware`), no longer of the
+# FlashAttention-3 paper's figure: a version-2 value would price it about 1.3x slower
+PROFILE_VERSION = 3
 PROFILE_KIND = "autopar-cost-profile"
 
 

@@ -70,6 +70,7 @@ class NodeTable:
     attention_kv_heads_bytes: np.ndarray
     # the keys an attention node attends over, forward or backward (0 for other nodes)
     attention_seq: np.ndarray
+    attention_head_dim: np.ndarray  # the head dim of those nodes (0 for others)
     # the node is copied into the backward by the recompute pass under that mode (its time is
     # the recompute's price; `autopar.search.facts` reads it off the pass's own marking)
     rerun_selective: np.ndarray
@@ -240,15 +241,17 @@ class StepFacts:
     # micro-batch's compute (``overlap_p2p_comm``, set where the interleave depth is > 1);
     # ``param_gather_hidden``: ZeRO-1/2's weight all-gather after the optimizer runs behind the
     # next step's forward, block by block (``overlap_param_gather``);
-    # ``cp_kv_heads``: the ring exchanges K and V before a grouped-query expansion (Transformer
-    # Engine's context parallelism; autopar's ring exchanges the attention's expanded inputs);
-    # ``native_attention``: attention runs the architecture's own fused kernel (Transformer
-    # Engine's cuDNN attention; autopar's SDPA runs FlashAttention-2: `GPUSpec`)
+    # ``cp_kv_heads`` (True: autopar's ring, `passes.kv_expansion`; Transformer Engine's): the
+    # ring exchanges K and V before a grouped-query expansion;
+    # ``native_attention`` (True: autopar's runtime): attention runs the architecture's own fused
+    # kernel where the GPU has one (`GPUSpec.native_attention_efficiency`): PyTorch's SDPA picks
+    # cuDNN's on Hopper (torch 2.11 on an H200, examples/gpu_attention_check.py's run), as
+    # Transformer Engine does; False: FlashAttention-2's kernels (nanotron, llm-foundry)
     tp_overlap_all: bool = False
     p2p_hidden: bool = False
     param_gather_hidden: bool = False
-    cp_kv_heads: bool = False
-    native_attention: bool = False
+    cp_kv_heads: bool = True
+    native_attention: bool = True
     # what the cost model derives from these facts and reuses across layouts (`cost.facts_cache`;
     # not an init argument: a copy made by `rebatch` or `dataclasses.replace` starts empty)
     cache: FactsCache = field(default_factory=FactsCache, init=False, repr=False, compare=False)

@@ -76,9 +76,10 @@ def gemms() -> list[dict]:
     return out
 
 
-def blocks() -> list[dict]:
+def blocks(shapes: list[tuple] = BLOCKS) -> list[dict]:
+    """Forward+backward seconds of one block of each (zoo config, micro-batch, seq, compile?)."""
     out = []
-    for name, batch, seq, use_compile in BLOCKS:
+    for name, batch, seq, use_compile in shapes:
         cfg = dataclasses.replace(config(name), n_layers=1)
         model = build(cfg, device="cuda", dtype=torch.bfloat16)
         block = model.layers[0]

@@ -25,7 +25,8 @@ convolution along it) gathers the sequence first (correct, not parallel: listed 
 fallbacks, refused under ``strict``). The one op that must mix positions of activations and is
 not gathered is attention: each scaled-dot-product attention (causal, unmasked or under a mask
 of the data only; no dropout) and its backward are replaced by ring attention
-(`runtime.ring_attention`: K/V blocks passed round the cp ranks, partial results merged by the
+(`runtime.ring_attention`: K/V blocks passed round the cp ranks, a grouped-query model's as
+its kv heads (`passes.kv_expansion`), partial results merged by the
 log-sum-exp rule, causal blocks above the diagonal skipped, a mask sliced per block; the ops
 ``autopar::ring_attention`` and its backward, registered by importing runtime.ring_attention,
 which the caller does: passes do not import the runtime).
@@ -75,6 +76,7 @@ from passes.cp_sequence_parallel import (
     sp_cat,
     sp_split,
 )
+from passes.kv_expansion import kv_expansion
 from passes.tensor_parallel import (
     _COLLECTIVE_PREFIX,
     TensorParallelError,
@@ -677,9 +679,12 @@ class _Runner:
         n = self.mesh.size()
         return (self.mesh.get_group().group_name, self.mesh.get_local_rank(), n)
 
-    def _ring_tail(self, mask):
-        """The ring ops' trailing arguments: the whole mask and the chunk layout."""
-        return mask, self.balanced
+    def _ring_tail(self, mask, k: fx.Node, v: fx.Node):
+        """The ring ops' trailing arguments: the whole mask, the chunk layout and the
+        grouped-query group of K and V (`passes.kv_expansion`: their kv heads travel)."""
+        found = [kv_expansion(a) for a in (k, v)]
+        groups = {f[1] for f in found if f is not None}
+        return mask, self.balanced, (groups.pop() if None not in found and len(groups) == 1 else 1)
 
     def _ring_forward(self, node: fx.Node, env):
         """(O, lse) of the whole sequence's attention, this rank's block of the queries."""
@@ -692,7 +697,7 @@ class _Runner:
         with _why(f"CP: ring attention {node} (K/V blocks passed round the {n} CP ranks, merged by "
                   "log-sum-exp)"):
             out, lse = torch.ops.autopar.ring_attention(q, k, v, bool(causal), scale, *self._ring_args(node, env),
-                                                        *self._ring_tail(mask))
+                                                        *self._ring_tail(mask, *node.args[1:3]))
         self.rings += 1
         shape = tuple(env[node.args[0]].shape)
         val = node.meta["val"]
@@ -708,7 +713,7 @@ class _Runner:
         with _why(f"CP: ring attention's backward {node} (K/V and their gradients round the CP ranks)"):
             dq, dk, dv = torch.ops.autopar.ring_attention_backward(dout, q, k, v, out, lse, bool(causal), scale,
                                                                    *self._ring_args(node, env),
-                                                                   *self._ring_tail(mask))
+                                                                   *self._ring_tail(mask, *node.args[2:4]))
         return tuple(_place_like(g, self.mesh, val) for g, val in zip((dq, dk, dv), node.meta["val"]))
 
     def _nll_backward(self, node: fx.Node, env):

@@ -32,6 +32,13 @@ P_rj = exp(S_rj - lse_r), D_r = rowsum(dO_r * O_r), dS_rj = P_rj * (dO_r V_j^T -
 round the ring again, each with its dK/dV accumulator; after n steps the accumulator comes
 home to the block's owner with every rank's contribution.
 
+Grouped-query attention (``kv_group`` g > 1: K and V are the h_kv = h / g heads of the model
+repeated, expanded[:, i] = kv[:, i // g], `passes.kv_expansion`): the blocks travel as their
+h_kv heads, K_j[:, ::g], repeated on arrival, g times fewer bytes; the dK/dV accumulators travel
+summed over each group's copies, and come home as the gradient of the expanded tensor with
+each group's sum on its first copy, zeros on the others (the expansion's backward sums over
+the copies: the K/V heads' gradient is exact).
+
 The per-block attention is PyTorch's CPU flash kernel on CPU tensors and the same formulas in
 plain matmuls elsewhere; communication is torch.distributed point-to-point (``isend`` /
 ``irecv``), which gloo and NCCL both run. `ring_attention_forward` / `_backward` are
@@ -235,9 +242,10 @@ def _empty_state(q):
             torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
 
 
-def _forward_step(state, q, kv, ring: _Ring, source: int, scale):
-    """The running (O, lse) of this rank's queries, merged with rank ``source``'s K/V."""
-    k, v = kv.chunk(2, dim=0)
+def _forward_step(state, q, kv, ring: _Ring, source: int, scale, group: int = 1):
+    """The running (O, lse) of this rank's queries, merged with rank ``source``'s K/V (their
+    kv heads under ``group`` > 1)."""
+    k, v = (_repeat(t, group) for t in kv.chunk(2, dim=0))
     out, lse = state
     for rows, cols, causal, part in ring.calls(source, q.shape[2]):
         block = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale, part)
@@ -245,23 +253,51 @@ def _forward_step(state, q, kv, ring: _Ring, source: int, scale):
     return out, lse
 
 
-def _backward_step(dq, dkv, dout, q, kv, out, lse, ring: _Ring, source: int, scale):
-    """dQ and the travelling (dK, dV) accumulator, added in place."""
-    k, v = kv.chunk(2, dim=0)
+def _backward_step(dq, dkv, dout, q, kv, out, lse, ring: _Ring, source: int, scale, group: int = 1):
+    """dQ and the travelling (dK, dV) accumulator (of the kv heads under ``group`` > 1), added
+    in place."""
+    k, v = (_repeat(t, group) for t in kv.chunk(2, dim=0))
     b = k.shape[0]
     for rows, cols, causal, part in ring.calls(source, q.shape[2]):
         bq, bk, bv = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                               out[:, :, rows], lse[:, :, rows], causal, scale, part)
         dq[:, :, rows] += bq.float()
-        dkv[:b, :, cols] += bk.float()
-        dkv[b:, :, cols] += bv.float()
+        dkv[:b, :, cols] += _group_sum(bk.float(), group)
+        dkv[b:, :, cols] += _group_sum(bv.float(), group)
     return dq, dkv
 
 
-def _check(q, k, v) -> None:
+def _check(q, k, v, group: int = 1) -> None:
     if q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"ring attention needs q, k, v of one shape [b, h, s, d] (repeat grouped "
                          f"K/V heads first); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if group < 1 or q.shape[1] % group:
+        raise ValueError(f"ring attention: kv_group {group} does not divide the {q.shape[1]} heads")
+
+
+def _heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """The kv heads of an expanded K or V: the first copy of each group."""
+    return t if group == 1 else t[:, ::group]
+
+
+def _repeat(t: torch.Tensor, group: int) -> torch.Tensor:
+    """The expansion, as the model made it: each kv head ``group`` times, adjacent."""
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _group_sum(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """A gradient of the expanded heads summed over each group's copies."""
+    return grad if group == 1 else grad.unflatten(1, (-1, group)).sum(2)
+
+
+def _spread(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """A gradient of the expanded tensor whose group sums are ``grad``: each sum on the group's
+    first copy, zeros on the others."""
+    if group == 1:
+        return grad
+    out = grad.new_zeros((grad.shape[0], grad.shape[1] * group, *grad.shape[2:]))
+    out[:, ::group] = grad
+    return out
 
 
 class _RingLink:
@@ -290,19 +326,20 @@ class _RingLink:
 
 def ring_attention_forward(q, k, v, causal: bool, scale: float | None, group, rank: int,
                            size: int, mask: torch.Tensor | None = None,
-                           balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           balanced: bool = False, kv_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (O, lse) of attention over the sequence split over the ``size`` ranks of
-    ``group`` (chunks as `rank_chunks` deals them); ``mask``: the whole [.., S, S] mask."""
-    _check(q, k, v)
+    ``group`` (chunks as `rank_chunks` deals them); ``mask``: the whole [.., S, S] mask;
+    ``kv_group``: K and V repeat each kv head that many times (their kv heads travel)."""
+    _check(q, k, v, kv_group)
     link = _RingLink(group, rank, size)
     ring = _Ring(rank, size, causal, balanced, mask)
-    kv = torch.cat([k, v])
+    kv = torch.cat([_heads(k, kv_group), _heads(v, kv_group)])
     out, lse = _empty_state(q)
     for t in range(size):
         wait = None
         if t < size - 1:  # the next block travels while this one is attended
             incoming, wait = link.start(kv)
-        out, lse = _forward_step((out, lse), q, kv, ring, (rank - t) % size, scale)
+        out, lse = _forward_step((out, lse), q, kv, ring, (rank - t) % size, scale, kv_group)
         if wait is not None:
             wait()
             kv = incoming
@@ -311,58 +348,62 @@ def ring_attention_forward(q, k, v, causal: bool, scale: float | None, group, ra
 
 def ring_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None, group,
                             rank: int, size: int, mask: torch.Tensor | None = None,
-                            balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's (dQ, dK, dV); ``out`` and ``lse`` are the merged forward's."""
-    _check(q, k, v)
+                            balanced: bool = False,
+                            kv_group: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (dQ, dK, dV); ``out`` and ``lse`` are the merged forward's (dK, dV of the
+    expanded K and V under ``kv_group`` > 1: `_spread`)."""
+    _check(q, k, v, kv_group)
     link = _RingLink(group, rank, size)
     ring = _Ring(rank, size, causal, balanced, mask)
-    kv = torch.cat([k, v])
+    kv = torch.cat([_heads(k, kv_group), _heads(v, kv_group)])
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for t in range(size):
         wait = None
         if t < size - 1:
             incoming, wait = link.start(kv)
-        dq, dkv = _backward_step(dq, dkv, dout, q, kv, out, lse, ring, (rank - t) % size, scale)
+        dq, dkv = _backward_step(dq, dkv, dout, q, kv, out, lse, ring, (rank - t) % size, scale, kv_group)
         # the accumulator follows its block: after the last step it reaches the block's owner
         dkv, wait_grad = link.start(dkv, tag=1)
         wait_grad()
         if wait is not None:
             wait()
             kv = incoming
-    dk, dv = dkv.chunk(2, dim=0)
+    dk, dv = (_spread(g, kv_group) for g in dkv.chunk(2, dim=0))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def simulate_ring_forward(qs, ks, vs, causal: bool, scale: float | None = None, mask=None,
-                          balanced: bool = False):
+                          balanced: bool = False, kv_group: int = 1):
     """`ring_attention_forward` of every rank, run in one process in lock step (the ring's
     transfers are list rotations): [(O_r, lse_r)] for the blocks ``qs[r], ks[r], vs[r]``."""
     n = len(qs)
     rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
-    kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
+    kvs = [torch.cat([_heads(k, kv_group), _heads(v, kv_group)]) for k, v in zip(ks, vs)]
     states = [_empty_state(q) for q in qs]
     for t in range(n):
-        states = [_forward_step(states[r], qs[r], kvs[r], rings[r], (r - t) % n, scale) for r in range(n)]
+        states = [_forward_step(states[r], qs[r], kvs[r], rings[r], (r - t) % n, scale, kv_group)
+                  for r in range(n)]
         kvs = [kvs[(r - 1) % n] for r in range(n)]
     return [(o.to(q.dtype), lse) for (o, lse), q in zip(states, qs)]
 
 
 def simulate_ring_backward(douts, qs, ks, vs, outs, lses, causal: bool, scale: float | None = None,
-                           mask=None, balanced: bool = False):
+                           mask=None, balanced: bool = False, kv_group: int = 1):
     """`ring_attention_backward` of every rank in one process: [(dQ_r, dK_r, dV_r)]."""
     n = len(qs)
     rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
-    kvs = [torch.cat([k, v]) for k, v in zip(ks, vs)]
+    kvs = [torch.cat([_heads(k, kv_group), _heads(v, kv_group)]) for k, v in zip(ks, vs)]
     dqs = [torch.zeros(q.shape) for q in qs]
     dkvs = [torch.zeros(kv.shape) for kv in kvs]
     for t in range(n):
         for r in range(n):
             dqs[r], dkvs[r] = _backward_step(dqs[r], dkvs[r], douts[r], qs[r], kvs[r], outs[r], lses[r],
-                                             rings[r], (r - t) % n, scale)
+                                             rings[r], (r - t) % n, scale, kv_group)
         kvs = [kvs[(r - 1) % n] for r in range(n)]
         dkvs = [dkvs[(r - 1) % n] for r in range(n)]
-    return [(dq.to(q.dtype), *(g.to(q.dtype) for g in dkv.chunk(2, dim=0))) for dq, dkv, q in zip(dqs, dkvs, qs)]
+    return [(dq.to(q.dtype), *(_spread(g, kv_group).to(q.dtype) for g in dkv.chunk(2, dim=0)))
+            for dq, dkv, q in zip(dqs, dkvs, qs)]
 
 
 # --- the ops the context-parallel pass puts in a rank's graph --------------------------------
@@ -375,14 +416,16 @@ def _group(name: str):
 @torch.library.custom_op("autopar::ring_attention", mutates_args=())
 def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
                       group_name: str, rank: int, size: int,
-                      mask: torch.Tensor | None = None, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor | None = None, balanced: bool = False,
+                      kv_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_attention_forward` over the process group named ``group_name``."""
-    out, lse = ring_attention_forward(q, k, v, is_causal, scale, _group(group_name), rank, size, mask, balanced)
+    out, lse = ring_attention_forward(q, k, v, is_causal, scale, _group(group_name), rank, size, mask, balanced,
+                                      kv_group)
     return out.contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None, balanced=False):
+def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None, balanced=False, kv_group=1):
     # contiguous, as the real op returns (empty_like would copy q's strides)
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -391,14 +434,14 @@ def _(q, k, v, is_causal, scale, group_name, rank, size, mask=None, balanced=Fal
 def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
                                group_name: str, rank: int, size: int,
-                               mask: torch.Tensor | None = None,
-                               balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               mask: torch.Tensor | None = None, balanced: bool = False,
+                               kv_group: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ring_attention_backward` over the process group named ``group_name``."""
     dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal, scale, _group(group_name),
-                                         rank, size, mask, balanced)
+                                         rank, size, mask, balanced, kv_group)
     return dq.contiguous(), dk.clone(), dv.clone()  # dk, dv: views of one buffer
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size, mask=None, balanced=False):
+def _(dout, q, k, v, out, lse, is_causal, scale, group_name, rank, size, mask=None, balanced=False, kv_group=1):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -322,11 +322,23 @@ def attention_keys(node: torch.fx.Node) -> int:
     output's gradient): dim -2 of SDPA's [batch, heads, keys, dim], dim -3 of the flash and
     memory-efficient kernels' own [batch, keys, heads, dim]; the tokens of a language model,
     the patches of an image model."""
+    shape, target = _attention_key_shape(node)
+    dim = -2 if "scaled_dot_product" in target else -3
+    return int(shape[dim]) if shape is not None and len(shape) >= -dim else 0
+
+
+def attention_head_dim(node: torch.fx.Node) -> int:
+    """The head dim of a fused attention node's key (its last dim in every kernel's layout),
+    forward or backward; 0 for any other node."""
+    shape, _ = _attention_key_shape(node)
+    return int(shape[-1]) if shape is not None and len(shape) >= 3 else 0
+
+
+def _attention_key_shape(node: torch.fx.Node) -> tuple:
+    """(the key's shape or None, the op's name) of a fused attention node."""
     target = str(node.target)
     if node.op != "call_function" or not any(k in target for k in ATTENTION_OPS):
-        return 0
+        return None, target
     index = 2 if "backward" in target else 1
-    dim = -2 if "scaled_dot_product" in target else -3
     key = node.args[index] if len(node.args) > index else None
-    shape = getattr(key.meta.get("val"), "shape", None) if isinstance(key, torch.fx.Node) else None
-    return int(shape[dim]) if shape is not None and len(shape) >= -dim else 0
+    return (getattr(key.meta.get("val"), "shape", None) if isinstance(key, torch.fx.Node) else None), target

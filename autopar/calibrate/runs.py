@@ -232,11 +232,13 @@ class RunPricer:
             # priced so, a run that ran out of memory is not made to fit by a better cut; and it
             # does not all-reduce a token count every step (autopar's runtime does); its loss
             # is a fused or vocabulary-parallel cross-entropy, its full recompute checkpoints
-            # whole blocks, and its pipelines' gradient reduction overlaps the last backward
+            # whole blocks, its pipelines' gradient reduction overlaps the last backward, it
+            # runs FlashAttention-2's kernels and a ring (if any) of expanded K/V heads
             # (Megatron-LM, nanotron, llm-foundry: `StepFacts`)
             self._facts[key] = self.framework_facts(run, dataclasses.replace(
                 base.rebatch(run.global_batch), memory_cuts=False, counts_tokens=False,
-                framework_memory=True, pipeline_reduce_hidden=True))
+                framework_memory=True, pipeline_reduce_hidden=True, native_attention=False,
+                cp_kv_heads=False))
         return self._facts[key]
 
     def framework_facts(self, run: Run, facts: StepFacts) -> StepFacts:

@@ -27,7 +27,8 @@ from cost.step import Prediction, StepFacts, predict
 from vocab.layout import unsupported_decisions
 from vocab.plan_types import ExecutionReport, Fallback, PlanDecisions, RecomputeChoice
 
-PLAN_VERSION = 3  # 2: the decisions (vocab.plan_types) travel whole; 3: attention rates per GPU
+PLAN_VERSION = 4  # 2: the decisions (vocab.plan_types) travel whole; 3: attention rates per GPU;
+# 4: attention rates measured against length and head dim
 
 
 @dataclass

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from autopar.analysis.fusion import external_bytes, fused_saved, fusion_groups
-from autopar.analysis.graph import ATTENTION_OPS, GraphAnalysis, attention_keys
+from autopar.analysis.graph import ATTENTION_OPS, GraphAnalysis, attention_head_dim, attention_keys
 from autopar.capture.joint import TrainingGraph
 from autopar.errors import InputError
 from autopar.strategies.tp_recipe import REPLICATED, TPRecipe, find_tp_recipe
@@ -24,6 +24,7 @@ from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from passes.expert_parallel_stacked import StackedExpertError, StackedExperts, stacked_experts
 from passes.fp8 import cast_shares, weight_matmuls
+from passes.kv_expansion import kv_expansion
 from passes.pipeline_split import weight_half_reads
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
 from passes.token_count import mean_loss_node
@@ -36,7 +37,8 @@ _NODE_DTYPES = {
     "fp8_act_bytes": float, "fp8_const_bytes": float, "fp8_weight": str, "fp8_wgrad": bool,
     "forward": bool, "launch": bool,
     "hides_gather": bool, "hides_reduce": bool, "layer": int, "is_attention": bool,
-    "attention_kv_bytes": float, "attention_kv_heads_bytes": float, "attention_seq": int, "rerun_selective": bool, "rerun_full": bool,
+    "attention_kv_bytes": float, "attention_kv_heads_bytes": float, "attention_seq": int, "attention_head_dim": int,
+    "rerun_selective": bool, "rerun_full": bool,
     "ep_rows": bool, "routed": bool,
 }
 _SAVED_DTYPES = {"name": str, "bytes": float, "batch_dep": bool, "tp_div": bool, "sp_div": bool, "ep_rows": bool,
@@ -171,7 +173,7 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         if is_attn:
             kv_args = [a for a in node.args[1:3] if isinstance(a, torch.fx.Node)]
             kv = sum(analysis.nodes[a.name].nbytes for a in kv_args)
-            kv_heads = sum(_unexpanded_bytes(a, analysis) for a in kv_args)
+            kv_heads = sum(_kv_heads_bytes(a, analysis) for a in kv_args)
         kv_len = attention_keys(node)  # the backward's too: it runs at the attention's rate
         fp8_weight, fp8_role = parts.fp8_roles.get(node.name, ("", ""))
         fp8_act = fp8_const = 0
@@ -203,26 +205,16 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         arrays["attention_kv_bytes"].append(kv)
         arrays["attention_kv_heads_bytes"].append(kv_heads)
         arrays["attention_seq"].append(kv_len)
+        arrays["attention_head_dim"].append(attention_head_dim(node) if kv_len else 0)
     return arrays
 
 
-# the ops a grouped-query attention's K/V expansion is made of (`repeat_kv`, `repeat_interleave`
-# as views or a copy): they change the layout or repeat the heads, never the values
-_EXPANSION_OPS = ("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "clone", "transpose",
-                  "permute", "repeat_interleave", "repeat", "contiguous", "squeeze")
-
-
-def _unexpanded_bytes(value: torch.fx.Node, analysis: GraphAnalysis) -> int:
-    """Bytes of an attention's K or V before a grouped-query expansion: the smallest value on
-    the chain of layout and repeat ops that made it (the kv heads' own tensor; the value
-    itself where nothing expanded it)."""
-    smallest, node = analysis.nodes[value.name].nbytes, value
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
-           and _op_name(node) in _EXPANSION_OPS):
-        node = node.args[0]
-        if isinstance(node, torch.fx.Node) and node.name in analysis.nodes:
-            smallest = min(smallest, analysis.nodes[node.name].nbytes)
-    return smallest
+def _kv_heads_bytes(value: torch.fx.Node, analysis: GraphAnalysis) -> int:
+    """Bytes of an attention's K or V as its kv heads, before a grouped-query expansion
+    (`passes.kv_expansion`, the one the ring sends); the value's own where none is recognised."""
+    found = kv_expansion(value)
+    node = found[0] if found is not None and found[0].name in analysis.nodes else value
+    return analysis.nodes[node.name].nbytes
 
 
 def _op_name(node: torch.fx.Node) -> str:

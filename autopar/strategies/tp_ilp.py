@@ -48,7 +48,7 @@ import torch
 from ortools.linear_solver import pywraplp
 
 from autopar.analysis.fusion import external_bytes, fusion_groups
-from autopar.analysis.graph import GraphAnalysis, attention_keys
+from autopar.analysis.graph import GraphAnalysis, attention_head_dim, attention_keys
 from autopar.capture.joint import TrainingGraph
 from autopar.strategies.tp_recipe import COL, REPLICATED, ROW, VOCAB, TPRecipe, find_tp_recipe
 from cost import Cluster, collective_time
@@ -532,18 +532,20 @@ def _reduced_bytes(mm: torch.fx.Node, reduced_at: dict[str, int], info) -> float
 
 
 def _kernels(graph: TrainingGraph, analysis: GraphAnalysis, fused: bool) -> tuple:
-    """(names, FLOPs, vector FLOPs, bytes, is-matmul, launches) of every kernel-launching node
+    """(names, FLOPs, vector FLOPs, bytes, is-matmul, launches, attention keys, attention head
+    dims) of every kernel-launching node
     at the captured batch, on the bytes `build_step_facts` counts (a fusion group's external
     inputs and outputs)."""
     groups = fusion_groups(graph, analysis) if fused else {}
     ext_inputs, leaves = external_bytes(graph, analysis, groups)
-    names, flops, vflops, nbytes, is_matmul, launch, keys = [], [], [], [], [], [], []
+    names, flops, vflops, nbytes, is_matmul, launch, keys, dims = [], [], [], [], [], [], [], []
     for node in graph.gm.graph.nodes:
         if node.op != "call_function" or analysis.nodes[node.name].is_view:
             continue  # views launch no kernel and move no bytes
         i = analysis.nodes[node.name]
         names.append(node.name)
         keys.append(attention_keys(node))
+        dims.append(attention_head_dim(node))
         flops.append(i.executed_flops)
         vflops.append(i.vector_flops)
         read = sum(analysis.nodes[a.name].nbytes for a in ext_inputs[node.name])
@@ -552,7 +554,7 @@ def _kernels(graph: TrainingGraph, analysis: GraphAnalysis, fused: bool) -> tupl
         launch.append(groups.get(node.name, node.name) == node.name)
     f, v, b = (np.array(a, dtype=float) for a in (flops, vflops, nbytes))
     return (names, f, v, b, np.array(is_matmul, dtype=bool), np.array(launch, dtype=bool),
-            np.array(keys, dtype=float))
+            np.array(keys, dtype=float), np.array(dims, dtype=float))
 
 
 def _node_seconds(kernels: tuple, cluster: Cluster, tp: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -561,14 +563,15 @@ def _node_seconds(kernels: tuple, cluster: Cluster, tp: int) -> tuple[dict[str, 
     default precision, an attention (forward or backward) no faster than its rate at its keys
     (`cost.terms.compute.attention_floor`), slowed by `CostParams.framework_efficiency`
     as `predict` does."""
-    names, f, v, b, mm, ln, keys = kernels
+    names, f, v, b, mm, ln, keys, dims = kernels
     gpu = cluster.gpu
     precision = compute_dtype(gpu, default_precision(cluster))
     dtype = np.full(f.shape, precision)
     out = []
     for div in (1, tp):
         t = roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype, cluster.params.gemm_half_scale)
-        t = attention_floor(t, f / div, keys, cluster, precision) / cluster.params.framework_efficiency
+        t = attention_floor(t, f / div, keys, cluster, precision, head_dim=dims)
+        t = t / cluster.params.framework_efficiency
         out.append(dict(zip(names, t.tolist())))
     return out[0], out[1]
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from cost.cluster import Cluster
 from cost.compute import gemm_efficiency
-from cost.hardware import GPUSpec
+from cost.hardware import FA2_HALF_HEAD_DIM, NATIVE_HALF_HEAD_DIM, GPUSpec
 from cost.memory import buffer_bytes, headroom_bytes, model_state_bytes
 from cost.pipeline import in_flight_microbatches
 from cost.precision import recipe
@@ -32,11 +32,12 @@ FRAMEWORK_EFFICIENCY = 0.85
 # scale-and-cast reads it again and writes one byte per element (half a bf16 input's bytes):
 # 2.5 bytes moved per input byte, as fused kernels run it (torchao's compiled casts).
 FP8_CAST_BYTES_PER_INPUT_BYTE = 2.5
-# Sequence length at which flash attention reaches half its long-sequence rate: FlashAttention-2
-# (Dao 2023, fig. 4, A100, causal, head dim 128, forward + backward) runs ~91 TFLOP/s at 512
-# tokens, ~158 at 2K, ~187 at 8K, ~193 at 16K (read off the figure): s / (s + 512) follows
-# them within 10 %.
-ATTENTION_HALF_SEQ = 512.0
+# Head dims the fused attention kernels are built for are multiples of 32 (FlashAttention-2's
+# kernel instances: hdim 32, 64, 96, 128, 160, 192, 224, 256); a head dim of 80 runs as 96.
+# Measured on an H200 (cost/profiles/h200_attention_heldout.json, rows the rates were not fitted
+# on): head dim 80 predicted 0.77-0.86x its time without the rounding, 0.89-0.97x with it (the
+# rounding was added after seeing them).
+ATTENTION_HEAD_TILE = 32.0
 # torch 2.13's CPU `_scaled_mm` (it runs the FP8 numerics on CPU ranks): measured on a 2-core
 # host at 0.03-0.05 GFLOP/s for 128x64x64 to 512x256x256 (fp32 matmul there: 110-230 GFLOP/s). FP8 runs on CPU ranks when asked, and "auto" never picks it there.
 CPU_FP8_MATMUL_FLOPS = 5e7
@@ -84,7 +85,7 @@ def times_key(facts: StepFacts, cluster: Cluster, layout: Layout) -> tuple:
     """What `node_times` depends on: equal keys, equal node times."""
     return (cluster.gpu.name, cluster.gpu.memory_bw, cluster.params.gemm_half_scale,
             cluster.params.attention_efficiency, cluster.gpu.attention_efficiency,
-            cluster.gpu.native_attention_efficiency,
+            cluster.gpu.native_attention_efficiency, cluster.gpu.attention_half_seq,
             layout.tp, layout.cp, layout.sp, layout.ep, layout.microbatch, facts.batch, layout.precision,
             _chosen_fp8(layout) if layout.fp8 == "auto" else layout.fp8, layout.fp8_recipe)
 
@@ -117,46 +118,56 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
     times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                            cluster.params.gemm_half_scale)
     return attention_floor(times, flops, n.attention_seq / cp, cluster, compute_dtype(gpu, lay.precision),
-                           facts.native_attention)
+                           facts.native_attention, n.attention_head_dim)
 
 
 def attention_floor(times: np.ndarray, flops: np.ndarray, keys: np.ndarray, cluster: Cluster,
-                    dtype: str, native: bool = False) -> np.ndarray:
+                    dtype: str, native: bool = False, head_dim: np.ndarray | None = None) -> np.ndarray:
     """``times`` with each attention node (forward or backward: ``keys`` > 0, its local keys, a
-    language model's tokens, an image model's patches) no faster than ``flops`` at
-    `attention_efficiency`'s rate; unchanged on CPU ranks (no flash-attention kernel)."""
+    language model's tokens, an image model's patches; ``head_dim`` its head dim, 128 where not
+    given) no faster than ``flops`` at `attention_efficiency`'s rate; unchanged on CPU ranks
+    (no flash-attention kernel)."""
     att = np.flatnonzero((keys > 0) & (flops > 0))
     gpu = cluster.gpu
     if not len(att) or gpu.is_cpu:
         return times
+    dims = 128.0 if head_dim is None else np.where(head_dim[att] > 0, head_dim[att], 128)
     rate = gpu.peak(dtype) * attention_efficiency(gpu, keys[att], cluster.params.attention_efficiency,
-                                                  dtype, native)
+                                                  dtype, native, dims)
     out = times.copy()
     out[att] = np.maximum(times[att], flops[att] / rate)
     return out
 
 
 def attention_efficiency(gpu: GPUSpec, seq, scale: float, dtype: str = "bf16",
-                         native: bool = False):
+                         native: bool = False, head_dim=128.0):
     """Fraction of the dense peak a flash-attention kernel (forward and backward, causal, its
     FLOPs counted as the kernel runs them: half the square) reaches at ``seq`` local tokens
-    (a number or an array, one per attention node):
+    and ``head_dim`` (numbers or arrays, one per attention node):
 
-        eff(s) = scale * e_fa * s / (s + S_half)
+        eff(s, d) = scale * e * s / (s + S_half) * d (128 + D_half) / (128 (d + D_half))
 
-    ``e_fa`` the GPU's FlashAttention-2 rate at long sequences in the kernels' own benchmarks
+    ``e`` the GPU's FlashAttention-2 rate at long sequences and head dim 128 run alone
     (`GPUSpec.attention_efficiency`), ``scale`` `CostParams.attention_efficiency` (what a
     training framework running it reaches of it); ``native`` (`StepFacts.native_attention`):
-    the architecture's own fused attention at its benchmark rate instead
+    the architecture's own fused attention at its rate run alone instead
     (`GPUSpec.native_attention_efficiency`, scale 1: no run of it was fitted; where the GPU has
-    none, FlashAttention-2's scaled rate), S_half
-    `ATTENTION_HALF_SEQ`: the tiles on the causal
-    diagonal, the per-(batch, head) prologue and the softmax rescaling weigh more at short
-    sequences. ``dtype``: the attention's (a fp32 attention runs at the fp32 peak's share)."""
+    none, FlashAttention-2's scaled rate). S_half `GPUSpec.attention_half_seq`: the tiles on
+    the causal diagonal, the per-(batch, head) prologue and the softmax rescaling weigh more at
+    short sequences; D_half (`cost.hardware.FA2_HALF_HEAD_DIM`, `NATIVE_HALF_HEAD_DIM`): a
+    smaller head does less matmul work per softmax element. Both fitted to the kernels
+    measured on an H200 (`cost.hardware`); d is first rounded up to the kernels' tile
+    (`ATTENTION_HEAD_TILE`), the rounding's FLOPs wasted. ``dtype``: the attention's (a fp32 attention runs
+    at the fp32 peak's share)."""
     share = gpu.efficiency(dtype) / gpu.efficiency("bf16") if dtype != "bf16" and "bf16" in gpu.peak_flops else 1.0
     native = native and gpu.native_attention_efficiency > 0  # else FlashAttention-2's kernels
     rate = gpu.native_attention_efficiency if native else scale * gpu.attention_efficiency
-    return rate * share * seq / (seq + ATTENTION_HALF_SEQ)
+    d_half = NATIVE_HALF_HEAD_DIM if native else FA2_HALF_HEAD_DIM
+    # the kernels run a head dim rounded up to their tile (FlashAttention-2's are built for
+    # 32, 64, 96, ..., 256): the padding's FLOPs are work not counted
+    padded = np.ceil(np.asarray(head_dim, dtype=float) / ATTENTION_HEAD_TILE) * ATTENTION_HEAD_TILE
+    head = padded * (128.0 + d_half) / (128.0 * (padded + d_half)) * head_dim / padded
+    return rate * share * seq / (seq + gpu.attention_half_seq) * head
 
 
 def fp8_candidates(facts: StepFacts, layout: Layout) -> np.ndarray:

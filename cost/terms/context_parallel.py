@@ -29,9 +29,10 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
         forward    (cp - 1) max(0, c - a / cp)
         backward   (cp - 1) (c + max(0, c - 2 a / cp))   (dK/dV follow their block, not overlapped)
 
-    The ring sends the attention's K and V inputs as autopar's ring does: after a grouped-query
-    expansion, heads / kv_heads times the kv heads' bytes; those bytes alone where the framework
-    expands after the exchange (`StepFacts.cp_kv_heads`, Transformer Engine).
+    The ring sends K and V (and their gradients back) as the kv heads' bytes where it expands
+    after the exchange (`StepFacts.cp_kv_heads`: autopar's ring on an expansion
+    `passes.kv_expansion` recognises, Transformer Engine's); else the attention's inputs, after
+    a grouped-query expansion: heads / kv_heads times those bytes.
 
     Contiguous blocks (``cp_balance=False``): under a causal mask rank r attends r + 1/2 of
     its cp blocks, the last (2cp - 1) / cp times the average; the others wait for it at the

@@ -12,6 +12,7 @@ the meta device as `autopar.calibrate.runs.RunPricer` captures a measured run:
 """
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -22,11 +23,11 @@ from torch import nn
 import autopar
 from autopar import models
 from autopar.search.step import captured_step
-from cost.cluster import Cluster
+from cost.cluster import PROFILE_DIR, Cluster
 from cost.params import CostParams
 from cost.precision import fused_accum, recipe
 from cost.step import predict_memory
-from cost.terms.compute import ATTENTION_HALF_SEQ, attention_efficiency, node_times
+from cost.terms.compute import attention_efficiency, node_times
 from cost.terms.recompute import (
     FUSED_LOSS_TRANSIENT,
     columns,
@@ -146,14 +147,34 @@ def test_fp32_gradients_only(facts):
     assert theirs.grads == pytest.approx(mine.grads * 4 / 6)
 
 
-def test_attention_rate_rises_with_sequence():
-    gpu = Cluster("h100", nodes=1).gpu
+def test_attention_rate_follows_the_measured_kernels():
+    """The rate against length and head dim reproduces every causal row measured on an H200
+    (cost/profiles/h200_attention_check.json): FlashAttention-2 at scale 1, cuDNN's as the
+    native kernel."""
+    gpu = Cluster("h200", nodes=1).gpu
+    rows = json.loads((PROFILE_DIR / "h200_attention_check.json").read_text())["attention"]
+    checked = 0
+    for r in rows:
+        if r["backend"] not in ("flash", "cudnn") or not r["causal"] or "fwd_bwd_s" not in r:
+            continue
+        if r["kv_heads"] != r["heads"]:  # grouped-query rows, not fitted: looser
+            tol = 0.1
+        else:
+            tol = 0.07
+        measured = 3 * r["fwd_flops"] / r["fwd_bwd_s"] / gpu.peak("bf16")
+        predicted = attention_efficiency(gpu, r["seq"], 1.0, native=r["backend"] == "cudnn",
+                                         head_dim=r["head_dim"])
+        assert predicted == pytest.approx(measured, rel=tol), r
+        checked += 1
+    assert checked >= 36
     seqs = np.array([512, 2048, 8192, 16384, 65536])
     eff = np.array([attention_efficiency(gpu, s, 0.5) for s in seqs])
     assert np.all(np.diff(eff) > 0)
-    # FlashAttention-2's A100 curve (fig. 4): 512 -> 16K tokens runs ~91 -> ~193 TFLOP/s
-    assert eff[0] / eff[3] == pytest.approx(91 / 193, rel=0.1)
-    assert attention_efficiency(gpu, ATTENTION_HALF_SEQ, 1.0) == pytest.approx(gpu.attention_efficiency / 2)
+    assert attention_efficiency(gpu, 1 << 20, 1.0, head_dim=64) < attention_efficiency(gpu, 1 << 20, 1.0)
+    # FlashAttention-2's A100 curve (Dao 2023, fig. 4): 512 -> 16K tokens runs ~91 -> ~193 TFLOP/s
+    a100 = Cluster("a100-80gb", nodes=1).gpu
+    assert attention_efficiency(a100, 512, 1.0) / attention_efficiency(a100, 16384, 1.0) == pytest.approx(
+        91 / 193, rel=0.1)
     # the GPU's own benchmark rates: FlashAttention-2 on an A100 reaches more of its peak than
     # on an H100, Hopper's native attention (Transformer Engine's) more than FlashAttention-2
     a100 = Cluster("a100-80gb", nodes=1).gpu
@@ -171,15 +192,18 @@ def test_attention_efficiency_prices_attention(facts):
     lay = autopar.Layout(dp=8, microbatch=1024, grad_accum=1)
     att = (big.nodes.attention_seq > 0) & (big.nodes.flops > 0)  # forward and backward
     assert (att & big.nodes.forward).any() and (att & ~big.nodes.forward).any()
-    times = []
+    times, native = [], []
     for eff in (1.0, 0.5, 0.25):
         c = Cluster("h100", nodes=1, gpus_per_node=8)
         c.params = CostParams(attention_efficiency=eff)
-        times.append(node_times(dataclasses.replace(big), c, lay))
-    # attention's seconds scale with 1 / attention_efficiency once its FLOPs dominate;
+        times.append(node_times(dataclasses.replace(big, native_attention=False), c, lay))
+        native.append(node_times(dataclasses.replace(big), c, lay))
+    # FlashAttention-2's seconds scale with 1 / attention_efficiency once its FLOPs dominate;
     # every other node is priced as before
     assert times[2][att].sum() == pytest.approx(2 * times[1][att].sum(), rel=0.01)
     assert np.array_equal(times[0][~att], times[2][~att])
+    # autopar's own runs (PyTorch's SDPA: cuDNN's kernel on Hopper) run at its rate, unscaled
+    assert big.native_attention and np.array_equal(native[0], native[2])
     with pytest.raises(ValueError, match="attention_efficiency"):
         CostParams(attention_efficiency=0.05)
 
@@ -189,4 +213,5 @@ def test_measured_runs_are_priced_as_their_frameworks_hold_memory():
 
     pricer = RunPricer("h100", gpus_per_node=2)
     lay = autopar.Layout(dp=2, microbatch=1, grad_accum=1, precision="bf16")
-    assert pricer.facts(Run(1, "tiny-llama", 1, lay, 64, 1.0, None)).framework_memory
+    measured = pricer.facts(Run(1, "tiny-llama", 1, lay, 64, 1.0, None))
+    assert measured.framework_memory and not measured.native_attention  # FlashAttention-2

@@ -59,12 +59,20 @@ def test_tiny_llama_runs_ring_attention_and_reduces_gradients(cp):
     assert holders == shapes
     reasons = [n.meta.get("autopar", "") for n in out.gm.graph.nodes if "ring_attention" in str(n.target)]
     assert all(r.startswith("CP: ring attention") for r in reasons), reasons
+    # tiny-llama's 8 query heads repeat 4 kv heads (`passes.kv_expansion`): the ring sends those
+    assert _kv_groups(out.gm) == {2}
+
+
+def _kv_groups(gm) -> set:
+    """The ``kv_group`` argument of every ring op of a graph (the last one)."""
+    return {n.args[-1] for n in gm.graph.nodes if "ring_attention" in str(n.target)}
 
 
 def test_own_model_gathers_nothing():
     """Its labels are shifted inside the model: a value of the data only, computed whole."""
     out, gm, sig, _ = _traced(RopeLM(), rope_batch())
     assert out.gathered == [] and out.ring_attention == 2
+    assert _kv_groups(out.gm) == {1}  # as many kv heads as query heads
     assert not any("all_gather" in op for op in _ops(out.gm))
 
 

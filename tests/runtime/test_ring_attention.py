@@ -90,6 +90,33 @@ def _ring_worker(rank: int, world: int):
         for name, got, full in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
             if not _close(got, full.chunk(world, dim=2)[rank]):
                 failures.append((rank, causal, name, (got - full.chunk(world, dim=2)[rank]).abs().max().item()))
+    failures += _grouped_query_ring(rank, world, group)
+    return failures
+
+
+def _grouped_query_ring(rank: int, world: int, group) -> list:
+    """The op with ``kv_group`` 3 on K/V repeating one kv head: one device's output and kv-head
+    gradients, and every K/V block sent holds one head, not three."""
+    q, k, v, dout = _inputs(30, seq=6 * world)
+    k, v = (t[:, :1].repeat_interleave(3, dim=1) for t in (k, v))
+    want = _reference(q, k, v, True, dout)
+    mine = [t.chunk(world, dim=2)[rank].contiguous() for t in (q, k, v, dout)]
+    sent, start = [], ra._RingLink.start
+    ra._RingLink.start = lambda self, t, tag=0: (sent.append((tag, t.shape[1])), start(self, t, tag))[1]
+    try:
+        out, lse = torch.ops.autopar.ring_attention(*mine[:3], True, None, group.group_name, rank, world,
+                                                    None, False, 3)
+        grads = torch.ops.autopar.ring_attention_backward(mine[3], *mine[:3], out, lse, True, None,
+                                                          group.group_name, rank, world, None, False, 3)
+    finally:
+        ra._RingLink.start = start
+    failures = [] if sent and all(heads == 1 for _, heads in sent) else [(rank, "sent heads", sent)]
+    for name, got, full in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
+        full = full.chunk(world, dim=2)[rank]
+        if name in ("dk", "dv"):
+            got, full = ra._group_sum(got, 3), ra._group_sum(full, 3)
+        if not _close(got, full):
+            failures.append((rank, "grouped", name, (got - full).abs().max().item()))
     return failures
 
 
@@ -128,3 +155,44 @@ def test_simulated_ring_with_an_explicit_mask(n, dtype):
     bwd = ra.simulate_ring_backward(ds, qs, ks, vs, [o for o, _ in fwd], [lse for _, lse in fwd], False, mask=mask)
     for i, leaf in enumerate(leaves):
         assert _close(torch.cat([b[i] for b in bwd], dim=2), leaf.grad)
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_query_ring_sends_kv_heads_and_matches_sdpa(causal, balanced):
+    """Under ``kv_group`` g the ring carries the kv heads alone and repeats them on arrival:
+    the output and the kv heads' gradients (the expansion's backward: a sum over each group's
+    copies) equal one process's SDPA over the expanded K and V; the dK/dV it returns differ
+    only in how each group's sum is spread over its copies."""
+    g, n = 3, 2
+    gen = torch.Generator().manual_seed(7 + causal + 2 * balanced)
+    q, dout = (torch.randn(2, 6, 16, 8, generator=gen) for _ in range(2))
+    kv_k, kv_v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(2))
+    k, v = (t.repeat_interleave(g, dim=1) for t in (kv_k, kv_v))
+    want = _reference(q, k, v, causal, dout)
+
+    def split(t):
+        if not balanced:
+            return t.chunk(n, dim=2)
+        c = t.chunk(2 * n, dim=2)
+        return [torch.cat([c[r], c[2 * n - 1 - r]], dim=2) for r in range(n)]
+
+    def join(parts):
+        if not balanced:
+            return torch.cat(parts, dim=2)
+        halves = [p.chunk(2, dim=2) for p in parts]
+        return torch.cat([halves[r][0] for r in range(n)] + [halves[r][1] for r in reversed(range(n))], dim=2)
+
+    qs, ks, vs, ds = (split(t.detach()) for t in (q, k, v, dout))
+    fwd = ra.simulate_ring_forward(qs, ks, vs, causal, balanced=balanced, kv_group=g)
+    assert _close(join([o for o, _ in fwd]), want[0])
+    bwd = ra.simulate_ring_backward(ds, qs, ks, vs, [o for o, _ in fwd], [lse for _, lse in fwd], causal,
+                                    balanced=balanced, kv_group=g)
+    assert _close(join([b[0] for b in bwd]), want[1])
+    for i in (1, 2):
+        got = join([b[i] for b in bwd])
+        assert got.shape == want[1 + i].shape
+        assert _close(ra._group_sum(got, g), ra._group_sum(want[1 + i], g))
+        assert not got.unflatten(1, (-1, g))[:, :, 1:].any()  # copies past the first carry nothing
+    with pytest.raises(ValueError, match="kv_group 4 does not divide the 6 heads"):
+        ra._check(qs[0], ks[0], vs[0], 4)
