@@ -20,6 +20,7 @@ the model encodes); the summary counts the held-out points apart.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -166,7 +167,9 @@ class Captured:
         self.config = models.config(name)
         self.model = models.build(name, device="meta")
         self.inputs = models.example_inputs(name, batch=batch, seq=SEQ, device="meta")
-        self.facts = _megatron_facts(step_facts(self.model, self.inputs, None, torch.bfloat16)[0])
+        # the playbook's runs (nanotron) run FlashAttention-2's kernels, as `RunPricer` prices them
+        self.facts = dataclasses.replace(
+            _megatron_facts(step_facts(self.model, self.inputs, None, torch.bfloat16)[0]), native_attention=False)
         # Ψ from the model itself (parameters() counts a tied weight once)
         self.num_params = int(sum(p.numel() for p in self.model.parameters()))
         self.capture_s = time.perf_counter() - t0

@@ -86,12 +86,13 @@ class PublishedPricer(RunPricer):
         interleaved schedule's transfers and ZeRO-1's weight gather behind compute; Transformer
         Engine's ring exchanging the kv heads' K and V and its cuDNN attention
         (`StepFacts.tp_overlap_all`, ``p2p_hidden``, ``param_gather_hidden``, ``cp_kv_heads``,
-        ``native_attention``). Other runs: autopar's."""
+        ``native_attention``, ``ring_native_attention``). Other runs: `RunPricer`'s (FlashAttention-2,
+        a ring of expanded K/V)."""
         if run.framework != MEGATRON_CORE:
             return facts
         return dataclasses.replace(facts, tp_overlap_all=True, p2p_hidden=True,
                                    param_gather_hidden=True, cp_kv_heads=True,
-                                   native_attention=True)
+                                   native_attention=True, ring_native_attention=True)
 
     def _kind(self, run: PublishedRun) -> tuple[str, str]:
         return run.profile, run.framework

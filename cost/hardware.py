@@ -30,9 +30,10 @@ NATIVE_HALF_HEAD_DIM = 43.1
 # FlashAttention-2 on an A100: ~190 of 312 TFLOP/s at 16K tokens, head dim 128, causal, its
 # backward counted as 2.5 forwards (Dao 2023, FlashAttention-2, fig. 4-6): 0.61 of the peak,
 # 0.61 * 3 / 3.5 = 0.52 in the count above. Its rate against length, read off the same figure
-# (~91 TFLOP/s at 512 tokens, ~158 at 2K, ~187 at 8K): S_half 512.
-AMPERE_FA2_EFFICIENCY = 0.61 * 3 / 3.5
+# (~91 TFLOP/s at 512 tokens, ~158 at 2K, ~187 at 8K): S_half 512; the long-sequence rate is
+# the 16K one over 16K / (16K + 512): 0.54.
 AMPERE_ATTENTION_HALF_SEQ = 512.0
+AMPERE_FA2_EFFICIENCY = 0.61 * 3 / 3.5 * (16384 + AMPERE_ATTENTION_HALF_SEQ) / 16384
 
 
 @dataclass(frozen=True)

@@ -246,12 +246,16 @@ class StepFacts:
     # ``native_attention`` (True: autopar's runtime): attention runs the architecture's own fused
     # kernel where the GPU has one (`GPUSpec.native_attention_efficiency`): PyTorch's SDPA picks
     # cuDNN's on Hopper (torch 2.11 on an H200, examples/gpu_attention_check.py's run), as
-    # Transformer Engine does; False: FlashAttention-2's kernels (nanotron, llm-foundry)
+    # Transformer Engine does; False: FlashAttention-2's kernels (nanotron, llm-foundry);
+    # ``ring_native_attention``: under cp > 1 the ring's blocks run that kernel too (Transformer
+    # Engine's ring; autopar's runs its blocks as plain matmuls off CPU: FlashAttention-2's rate
+    # is what it is priced at, an optimistic one)
     tp_overlap_all: bool = False
     p2p_hidden: bool = False
     param_gather_hidden: bool = False
     cp_kv_heads: bool = True
     native_attention: bool = True
+    ring_native_attention: bool = False
     # what the cost model derives from these facts and reuses across layouts (`cost.facts_cache`;
     # not an init argument: a copy made by `rebatch` or `dataclasses.replace` starts empty)
     cache: FactsCache = field(default_factory=FactsCache, init=False, repr=False, compare=False)

@@ -76,7 +76,7 @@ from passes.cp_sequence_parallel import (
     sp_cat,
     sp_split,
 )
-from passes.kv_expansion import kv_expansion
+from passes.kv_expansion import kv_group
 from passes.tensor_parallel import (
     _COLLECTIVE_PREFIX,
     TensorParallelError,
@@ -682,9 +682,8 @@ class _Runner:
     def _ring_tail(self, mask, k: fx.Node, v: fx.Node):
         """The ring ops' trailing arguments: the whole mask, the chunk layout and the
         grouped-query group of K and V (`passes.kv_expansion`: their kv heads travel)."""
-        found = [kv_expansion(a) for a in (k, v)]
-        groups = {f[1] for f in found if f is not None}
-        return mask, self.balanced, (groups.pop() if None not in found and len(groups) == 1 else 1)
+        found = kv_group(k, v)
+        return mask, self.balanced, (found[2] if found is not None else 1)
 
     def _ring_forward(self, node: fx.Node, env):
         """(O, lse) of the whole sequence's attention, this rank's block of the queries."""

@@ -55,6 +55,15 @@ def kv_expansion(node: fx.Node) -> tuple[fx.Node, int] | None:
     return source, group
 
 
+def kv_group(k: fx.Node, v: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(K's kv heads, V's kv heads, g) when both are expansions of one group g (what ring
+    attention sends as kv heads); None otherwise."""
+    found = [kv_expansion(a) for a in (k, v)]
+    if None in found or found[0][1] != found[1][1]:
+        return None
+    return found[0][0], found[1][0], found[0][1]
+
+
 def _is_call(x) -> bool:
     return isinstance(x, fx.Node) and x.op == "call_function"
 

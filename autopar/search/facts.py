@@ -24,7 +24,7 @@ from cost.stages import effective_layers
 from cost.step_facts import EventTable, NodeTable, ParamTable, SavedTable, StepFacts
 from passes.expert_parallel_stacked import StackedExpertError, StackedExperts, stacked_experts
 from passes.fp8 import cast_shares, weight_matmuls
-from passes.kv_expansion import kv_expansion
+from passes.kv_expansion import kv_group
 from passes.pipeline_split import weight_half_reads
 from passes.recompute import heavy_groups, is_backward, values_to_recompute
 from passes.token_count import mean_loss_node
@@ -173,7 +173,7 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
         if is_attn:
             kv_args = [a for a in node.args[1:3] if isinstance(a, torch.fx.Node)]
             kv = sum(analysis.nodes[a.name].nbytes for a in kv_args)
-            kv_heads = sum(_kv_heads_bytes(a, analysis) for a in kv_args)
+            kv_heads = _kv_heads_bytes(kv_args, analysis)
         kv_len = attention_keys(node)  # the backward's too: it runs at the attention's rate
         fp8_weight, fp8_role = parts.fp8_roles.get(node.name, ("", ""))
         fp8_act = fp8_const = 0
@@ -209,12 +209,12 @@ def _node_arrays(analysis: GraphAnalysis, parts: GraphParts, tp: TPRecipe) -> di
     return arrays
 
 
-def _kv_heads_bytes(value: torch.fx.Node, analysis: GraphAnalysis) -> int:
-    """Bytes of an attention's K or V as its kv heads, before a grouped-query expansion
-    (`passes.kv_expansion`, the one the ring sends); the value's own where none is recognised."""
-    found = kv_expansion(value)
-    node = found[0] if found is not None and found[0].name in analysis.nodes else value
-    return analysis.nodes[node.name].nbytes
+def _kv_heads_bytes(kv_args: list, analysis: GraphAnalysis) -> int:
+    """Bytes of an attention's K and V as the ring sends them: their kv heads where both are
+    one grouped-query expansion (`passes.kv_expansion.kv_group`), else the values' own."""
+    found = kv_group(*kv_args) if len(kv_args) == 2 else None
+    nodes = found[:2] if found is not None and all(n.name in analysis.nodes for n in found[:2]) else kv_args
+    return sum(analysis.nodes[n.name].nbytes for n in nodes)
 
 
 def _op_name(node: torch.fx.Node) -> str:

@@ -570,7 +570,8 @@ def _node_seconds(kernels: tuple, cluster: Cluster, tp: int) -> tuple[dict[str, 
     out = []
     for div in (1, tp):
         t = roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype, cluster.params.gemm_half_scale)
-        t = attention_floor(t, f / div, keys, cluster, precision, head_dim=dims)
+        # autopar's runtime: PyTorch's SDPA, the GPU's native kernel (`StepFacts.native_attention`)
+        t = attention_floor(t, f / div, keys, cluster, precision, native=True, head_dim=dims)
         t = t / cluster.params.framework_efficiency
         out.append(dict(zip(names, t.tolist())))
     return out[0], out[1]

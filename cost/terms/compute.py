@@ -117,8 +117,9 @@ def _node_times(facts: StepFacts, cluster: Cluster, layout: Layout) -> np.ndarra
             facts.expert_routed_rows * scale / cp, lay.ep), flops)
     times = roofline_times(gpu, flops, vflops, nbytes, n.is_matmul, n.launch, dtype,
                            cluster.params.gemm_half_scale)
+    native = facts.native_attention if cp == 1 else facts.ring_native_attention
     return attention_floor(times, flops, n.attention_seq / cp, cluster, compute_dtype(gpu, lay.precision),
-                           facts.native_attention, n.attention_head_dim)
+                           native, n.attention_head_dim)
 
 
 def attention_floor(times: np.ndarray, flops: np.ndarray, keys: np.ndarray, cluster: Cluster,

@@ -44,7 +44,10 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
         return exposed_per_stage
     group = axis_group(cluster, cp, tp)
     att = n.is_attention
-    kv = n.attention_kv_heads_bytes if facts.cp_kv_heads else n.attention_kv_bytes
+    # TP beyond the kv heads replicates them, and the TP rank's graph no longer shows the
+    # expansion: autopar's ring then sends the expanded K/V (tiny-llama at tp 8 on 4 kv heads)
+    heads = facts.cp_kv_heads and (facts.kv_heads is None or tp <= facts.kv_heads)
+    kv = n.attention_kv_heads_bytes if heads else n.attention_kv_bytes
     kv_local = kv[att] * scale / cp / np.where(n.tp_div[att], tp, 1)
     step = np.array([collective_time("send_recv", float(k), group, cluster) for k in kv_local])
     a = times[att]

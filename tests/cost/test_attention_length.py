@@ -64,9 +64,10 @@ def test_an_image_model_attends_over_its_patches(smooth):
     times = node_times(big, cluster, autopar.Layout(dp=8, microbatch=8192, grad_accum=1))
     gpu, scale = cluster.gpu, cluster.params.attention_efficiency
     for node in (att, backward):
-        at_patches = big.nodes.flops[node] / (gpu.peak("bf16") * attention_efficiency(gpu, 256, scale)) / 8
+        kernel = dict(native=big.native_attention, head_dim=big.nodes.attention_head_dim[node][0])
+        at_patches = big.nodes.flops[node] / (gpu.peak("bf16") * attention_efficiency(gpu, 256, scale, **kernel)) / 8
         assert times[node][0] >= at_patches[0] * (1 - 1e-9)
-        at_channels = big.nodes.flops[node] / (gpu.peak("bf16") * attention_efficiency(gpu, 3, scale)) / 8
+        at_channels = big.nodes.flops[node] / (gpu.peak("bf16") * attention_efficiency(gpu, 3, scale, **kernel)) / 8
         assert times[node][0] < at_channels[0] / 10
 
 

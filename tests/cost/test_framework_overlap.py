@@ -154,3 +154,24 @@ def test_a_ring_of_kv_heads_sends_a_group_share_of_the_bytes(llama_step):
     # a ring of the expanded K/V sends n_heads / n_kv_heads times the kv heads' bytes
     expanded, own = _attention_bytes(facts)
     assert np.all(expanded == own * cfg.n_heads // cfg.n_kv_heads)
+
+
+def test_ring_blocks_and_replicated_kv_heads_are_priced_as_autopar_runs_them(llama_step):
+    """Under cp > 1 autopar's ring runs its blocks as plain matmuls: attention is priced at
+    FlashAttention-2's rate, not the native kernel's (Transformer Engine's ring:
+    ``ring_native_attention``); TP beyond the kv heads replicates them and the ring sends the
+    expanded K/V."""
+    facts = llama_step[3].facts()
+    assert facts.native_attention and not facts.ring_native_attention
+    cp = Layout(dp=4, cp=8, microbatch=1, grad_accum=4)
+    ours, native = _both(facts, H100_32, cp, ring_native_attention=True)
+    assert native["compute_s"] < ours["compute_s"]
+    fa2, _ = _both(dataclasses.replace(facts, native_attention=False), H100_32, cp)
+    assert fa2["compute_s"] == pytest.approx(ours["compute_s"])
+    # llama3-8b has 8 kv heads: at tp 8 the ring sends them; with 4, tp 8 replicates them
+    tp8 = Layout(cp=4, tp=8, microbatch=1, grad_accum=16)
+    heads, expanded = _both(facts, H100_32, tp8, cp_kv_heads=False)
+    assert heads["cp_comm_exposed_s"] < expanded["cp_comm_exposed_s"]
+    few = dataclasses.replace(facts, kv_heads=4)
+    heads, expanded = _both(few, H100_32, tp8, cp_kv_heads=False)
+    assert heads["cp_comm_exposed_s"] == pytest.approx(expanded["cp_comm_exposed_s"])
