@@ -248,8 +248,7 @@ class StepFacts:
     # cuDNN's on Hopper (torch 2.11 on an H200, examples/gpu_attention_check.py's run), as
     # Transformer Engine does; False: FlashAttention-2's kernels (nanotron, llm-foundry);
     # ``ring_native_attention``: under cp > 1 the ring's blocks run that kernel too (Transformer
-    # Engine's ring; autopar's runs its blocks as plain matmuls off CPU: FlashAttention-2's rate
-    # is what it is priced at, an optimistic one)
+    # Engine's ring; autopar's runs FlashAttention-2's CUDA kernels: `runtime.ring_attention`)
     tp_overlap_all: bool = False
     p2p_hidden: bool = False
     param_gather_hidden: bool = False

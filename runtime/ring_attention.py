@@ -39,8 +39,9 @@ summed over each group's copies, and come home as the gradient of the expanded t
 each group's sum on its first copy, zeros on the others (the expansion's backward sums over
 the copies: the K/V heads' gradient is exact).
 
-The per-block attention is PyTorch's CPU flash kernel on CPU tensors and the same formulas in
-plain matmuls elsewhere; communication is torch.distributed point-to-point (``isend`` /
+The per-block attention is PyTorch's CPU flash kernel on CPU tensors, its CUDA
+FlashAttention-2 kernels on half-precision CUDA tensors without a mask (`_fused`), and the same
+formulas in plain matmuls elsewhere; communication is torch.distributed point-to-point (``isend`` /
 ``irecv``), which gloo and NCCL both run. `ring_attention_forward` / `_backward` are
 registered as the custom ops ``autopar::ring_attention`` and ``autopar::ring_attention_backward``
 (fake implementations for tracing), which the context-parallel pass puts in the rank's graph.
@@ -126,6 +127,8 @@ def block_attention(q, k, v, causal: bool, scale: float | None,
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                     attn_mask=_additive(mask, q.dtype),
                                                                     scale=scale)[:2]
+    elif _fused(q, mask):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     else:
         s = _scores(q, k, causal, _scale(q, scale), mask)
         lse = torch.logsumexp(s, dim=-1)
@@ -155,6 +158,12 @@ def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
         return dq, dk, dv
+    if _fused(q, mask):  # dense inputs: no sequence offsets; no dropout: the RNG state unused
+        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out.to(q.dtype), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
+            seed, offset, scale=scale)[:3]
     sc = _scale(q, scale)
     p = torch.exp(_scores(q, k, causal, sc, mask) - lse[..., None])
     do, vf = dout.float(), v.float()
@@ -165,6 +174,14 @@ def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float
     dq = torch.matmul(ds, k.float())
     dk = torch.matmul(ds.transpose(-1, -2), q.float())
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _fused(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """A block runs FlashAttention-2's CUDA kernels (PyTorch's flash backend; what the cost
+    model prices): half-precision CUDA tensors, head dim a multiple of 8 up to 256, no mask;
+    others the plain matmuls of `_scores`."""
+    return (q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
 
 
 def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -394,8 +411,8 @@ def simulate_ring_backward(douts, qs, ks, vs, outs, lses, causal: bool, scale: f
     n = len(qs)
     rings = [_Ring(r, n, causal, balanced, mask) for r in range(n)]
     kvs = [torch.cat([_heads(k, kv_group), _heads(v, kv_group)]) for k, v in zip(ks, vs)]
-    dqs = [torch.zeros(q.shape) for q in qs]
-    dkvs = [torch.zeros(kv.shape) for kv in kvs]
+    dqs = [torch.zeros(q.shape, device=q.device) for q in qs]
+    dkvs = [torch.zeros(kv.shape, device=kv.device) for kv in kvs]
     for t in range(n):
         for r in range(n):
             dqs[r], dkvs[r] = _backward_step(dqs[r], dkvs[r], douts[r], qs[r], kvs[r], outs[r], lses[r],
