@@ -96,11 +96,10 @@ def attention_rows(measured: dict, cluster: Cluster, fitted_file: bool) -> list[
         eff = attention_efficiency(gpu, r["seq"], 1.0, native=native, head_dim=r["head_dim"])
         fitted = fitted_file and r["causal"] and r["kv_heads"] == r["heads"]
         kind = ("causal" if r["causal"] else "full") + (" GQA" if r["kv_heads"] != r["heads"] else "")
+        predicted = 3 * r["fwd_flops"] / (gpu.peak("bf16") * eff)
         out.append({"backend": r["backend"], "seq": r["seq"], "head_dim": r["head_dim"], "kind": kind,
-                    "measured_s": r["fwd_bwd_s"], "predicted_s": 3 * r["fwd_flops"] / (gpu.peak("bf16") * eff),
+                    "measured_s": r["fwd_bwd_s"], "predicted_s": predicted, "ratio": predicted / r["fwd_bwd_s"],
                     "sample": IN_SAMPLE if fitted else HELD_OUT})
-    for row in out:
-        row["ratio"] = row["predicted_s"] / row["measured_s"]
     return out
 
 

@@ -217,11 +217,6 @@ def _kv_heads_bytes(kv_args: list, analysis: GraphAnalysis) -> int:
     return sum(analysis.nodes[n.name].nbytes for n in nodes)
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    """An aten op's name without its namespace and overload ("view" of aten.view.default)."""
-    return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
-
-
 def _expert_io(analysis: GraphAnalysis, parts: GraphParts, bd: dict) -> np.ndarray:
     """Bytes per slot of the activations crossing into or out of expert modules: the EP
     all-to-all volume (a value sent once, however many read it)."""

@@ -52,6 +52,7 @@ from autopar.analysis.graph import GraphAnalysis, attention_head_dim, attention_
 from autopar.capture.joint import TrainingGraph
 from autopar.strategies.tp_recipe import COL, REPLICATED, ROW, VOCAB, TPRecipe, find_tp_recipe
 from cost import Cluster, collective_time
+from cost.step_facts import StepFacts
 from cost.terms.common import comm_overlap, default_precision
 from cost.terms.compute import attention_floor, compute_dtype, roofline_times
 from cost.terms.tensor_parallel import event_collective, tp_group
@@ -570,8 +571,9 @@ def _node_seconds(kernels: tuple, cluster: Cluster, tp: int) -> tuple[dict[str, 
     out = []
     for div in (1, tp):
         t = roofline_times(gpu, f / div, v / div, b / div, mm, ln, dtype, cluster.params.gemm_half_scale)
-        # autopar's runtime: PyTorch's SDPA, the GPU's native kernel (`StepFacts.native_attention`)
-        t = attention_floor(t, f / div, keys, cluster, precision, native=True, head_dim=dims)
+        # autopar's runtime's attention kernel (`StepFacts.native_attention`'s default)
+        t = attention_floor(t, f / div, keys, cluster, precision, native=StepFacts.native_attention,
+                            head_dim=dims)
         t = t / cluster.params.framework_efficiency
         out.append(dict(zip(names, t.tolist())))
     return out[0], out[1]
