@@ -12,7 +12,13 @@ How a row becomes a model and a layout (one rule for every row, none per model o
 - shape: ``ffn_hidden == 4 * hidden`` with as many kv heads as heads is a GPT-style block
   (fused qkv, LayerNorm, GELU MLP, learned positions, tied embeddings: the zoo's "gpt2"
   family); anything else a Llama-style block (RMSNorm, SwiGLU of ``ffn_hidden``, GQA, untied).
-  A mixture of experts (a non-numeric ffn, ``ep > 1``) is not priced;
+  A head width other than hidden / heads comes from a ``head_dim`` column or the notes'
+  "head_dim N";
+- a mixture of experts (``ffn_hidden`` "F per expert (E experts, top-K)", or ``ep > 1``) is
+  not priced: the zoo's MoE (static capacity buffers, each expert's GEMM on one rank's
+  tokens) is not how the recipes run theirs (permuted tokens, grouped GEMMs over the ep
+  group's tokens, per-recipe recompute not stated). Priced so, the file's seven expressible
+  MoE runs landed at 0.5-1.6x their throughput and 1.7-5x the memory they trained in;
 - measured throughput in tokens/s/GPU: as published; from ``hardware_tflops_per_gpu`` through
   the source's own FLOP count (Narayanan et al. eq. 3, which includes the recompute forward:
   tok/s/GPU = X / (96 l h^2 (1 + s/6h + V/16lh))); from ``step_time_s`` as
@@ -163,22 +169,54 @@ def _measured(where: str, row: dict, seq: int, gpus: int, gbs: int, cfg: ModelCo
     return value * 1e12 / (96 * L * h * h * (1 + seq / (6 * h) + V / (16 * L * h)))
 
 
-def _config(key: str, row: dict, ints: dict) -> ModelConfig | str:
+# "768 per expert (128 experts, top-8)": a mixture of experts' ffn_hidden
+_EXPERTS = re.compile(r"(\d+)\s*per expert\s*\((\d+)\s*experts?,\s*top-?(\d+)\)", re.IGNORECASE)
+_HEAD_DIM_NOTE = re.compile(r"\bhead[_ ]dim\s*=?\s*(\d+)", re.IGNORECASE)
+
+
+def _ffn(where: str, row: dict) -> tuple[int | None, tuple[int, int] | None]:
+    """(ffn width, (experts, top-k) of a mixture of experts or None); width None where the
+    column is not a number or the experts' form."""
+    text = row["ffn_hidden"]
+    m = _EXPERTS.fullmatch(text)
+    if m:
+        return int(m.group(1)), (int(m.group(2)), int(m.group(3)))
+    if text.isdigit() or not text:
+        return _int(where, row, "ffn_hidden"), None
+    return None, None
+
+
+def _head_dim(where: str, row: dict) -> int | None:
+    """The ``head_dim`` column, else the notes' "head_dim N", else None (hidden / heads)."""
+    if row.get("head_dim"):
+        return _int(where, row, "head_dim")
+    m = _HEAD_DIM_NOTE.search(row.get("notes", ""))
+    return int(m.group(1)) if m else None
+
+
+def _config(key: str, ints: dict, experts: tuple[int, int] | None,
+            head_dim: int | None) -> ModelConfig | str:
     """The zoo config of the row's shape, or the reason it cannot be priced."""
     h, heads, kv, ffn = ints["hidden"], ints["heads"], ints["kv_heads"], ints["ffn_hidden"]
-    if ffn is None or ints["ep"] > 1:
-        return "a mixture of experts: expert routing and shapes are not priced by this bench"
+    if experts is not None or ints["ep"] > 1 or ffn is None:
+        what = f" ({experts[0]} experts, top-{experts[1]})" if experts else ""
+        return (f"a mixture of experts{what}: not priced by this bench (the zoo's MoE is not "
+                "the recipes': bench/published_runs.py)")
     if ints["vocab"] is None:
         return "vocabulary not stated: the logits' size is unknown"
-    gpt = ffn == 4 * h and kv == heads
-    if ffn == 4 * h and not gpt:
-        return "a non-gated 4h MLP with grouped-query attention: no zoo block has both"
+    gpt = ffn == 4 * h  # the GPT-style block: MHA of hidden / heads
+    if gpt and (kv != heads or head_dim not in (None, h // heads)):
+        return ("a non-gated 4h MLP with grouped-query attention or a head width other than "
+                "hidden / heads: no zoo block has both")
     common = dict(n_layers=ints["layers"], hidden=h, n_heads=heads, n_kv_heads=kv, ffn=ffn,
                   vocab=ints["vocab"], max_seq=ints["seq_len"])
-    if gpt:
-        return ModelConfig(key, family="gpt2", norm="layernorm", tied=True, **common)
-    return ModelConfig(key, family="llama", norm="rmsnorm", tied=False, rope_theta=500000.0,
-                       **common)
+    try:
+        if gpt:
+            return ModelConfig(key, family="gpt2", norm="layernorm", tied=True, **common)
+        return ModelConfig(key, family="llama", norm="rmsnorm", tied=False, rope_theta=500000.0,
+                           head_dim=head_dim, **common)
+    except ValueError as e:
+        return f"the model shape cannot be built: {e}"
 
 
 def parse_row(where: str, line: int, row: dict) -> PublishedRun:
@@ -197,8 +235,8 @@ def parse_row(where: str, line: int, row: dict) -> PublishedRun:
         ints[col] = _int(where, row, col)
         if not ints[col]:
             raise RunsError(f"{where}: {col} is empty or 0; every run needs its {col}")
-    ffn = row["ffn_hidden"]
-    ints["ffn_hidden"] = _int(where, row, "ffn_hidden") if ffn.isdigit() or not ffn else None
+    ints["ffn_hidden"], experts = _ffn(where, row)
+    head_dim = _head_dim(where, row)
     ints["vocab"] = _int(where, row, "vocab")
     for col in ("dp", "tp", "pp", "cp", "ep"):
         ints[col] = _int(where, row, col, default=None if col in ("dp", "tp", "pp") else 1)
@@ -228,8 +266,10 @@ def parse_row(where: str, line: int, row: dict) -> PublishedRun:
     name, seq, gpus, gbs = row["model_name"], ints["seq_len"], ints["num_gpus"], \
         ints["global_batch_sequences"]
     key = (f"{name} L{ints['layers']} h{ints['hidden']} f{ints['ffn_hidden']} "
-           f"a{ints['heads']}/{ints['kv_heads']} v{ints['vocab']}")
-    cfg = variant or _config(key, row, ints)
+           f"a{ints['heads']}/{ints['kv_heads']} v{ints['vocab']}"
+           + (f" d{head_dim}" if head_dim else "")
+           + (f" e{experts[0]}k{experts[1]}" if experts else ""))
+    cfg = variant or _config(key, ints, experts, head_dim)
     skip = cfg if isinstance(cfg, str) else ""
     per_node = ints["gpus_per_node"]
     dp, tp, pp, cp = (ints[c] for c in ("dp", "tp", "pp", "cp"))

@@ -252,7 +252,10 @@ def predict(
     choices = recompute_choices(facts, cluster, lay)
     node_stage = node_stages(facts, cluster, lay)
     recomp = rerun_per_stage(node_stage, times, staged_rerun(facts, choices, node_stage), pp)
-    shared = shared_host_factor(cluster, lay)  # CPU ranks: the bubble's idle cores help
+    # CPU ranks: the cores of ranks idle in the bubble or at a hand-off help the busy ones
+    busy_s = float((fwd + bwd + recomp).max())
+    shared = shared_host_factor(cluster, lay, busy_s,
+                                p2p_time(facts, cluster, lay, scale, busy_s))
     fwd, bwd, host, recomp = fwd * shared, bwd * shared, host * shared, recomp * shared
     recomputing = np.array([c.mode != "none" for c in choices])
     if recomputing.any():  # and the SP gathers the recomputed values start from

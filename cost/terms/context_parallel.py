@@ -7,6 +7,7 @@ import numpy as np
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
 from cost.step_facts import StepFacts
+from cost.terms.common import comm_overlap
 from cost.terms.compute import node_stages
 from vocab.layout import Layout
 
@@ -24,10 +25,19 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     (`axis_group(cluster, cp, tp)`) in cp - 1 point-to-point steps, each transfer overlapped
     with the attention of the block in hand. With the sequence load-balanced (``cp_balance``:
     rank r holds chunks r and 2cp-1-r of 2cp) every step costs every rank the same attention,
-    a / cp of the rank's attention time a (forward; 2 a backward). With c one K/V transfer:
+    a / cp of the rank's attention time a (forward; 2 a backward). With c one K/V transfer and
+    x(c, w) = c - h + s h the part of a transfer left beside w seconds of compute, h = min(c, o w)
+    of it hidden (o: `comm_overlap`, 0 on CPU ranks; each hidden second costs s =
+    `CostParams.overlap_slowdown`, as every overlapped collective does):
 
-        forward    (cp - 1) max(0, c - a / cp)
-        backward   (cp - 1) (c + max(0, c - 2 a / cp))   (dK/dV follow their block, not overlapped)
+        forward    (cp - 1) x(c, a / cp)
+        backward   (cp - 1) (c + x(c, 2 a / cp))   (dK/dV follow their block, not overlapped)
+
+    A transfer is a point-to-point hand-off like a pipeline's: c is its bytes'
+    ``send_recv`` time plus `CostParams.p2p_overhead_s` (the handshake; 2.8 ms on the 2-core
+    box's gloo ranks, `autopar calibrate`, 6 us fitted on h100-efa). The pipelines' per-node
+    overhead (`p2p_node_overhead_s`) is not added: it was fitted on the playbook's stage
+    hand-offs, and the held-out fits drive it to 0.
 
     The ring sends K and V (and their gradients back) as the kv heads' bytes where it expands
     after the exchange (`StepFacts.cp_kv_heads`: autopar's ring on an expansion
@@ -49,11 +59,19 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     heads = facts.cp_kv_heads and (facts.kv_heads is None or tp <= facts.kv_heads)
     kv = n.attention_kv_heads_bytes if heads else n.attention_kv_bytes
     kv_local = kv[att] * scale / cp / np.where(n.tp_div[att], tp, 1)
-    step = np.array([collective_time("send_recv", float(k), group, cluster) for k in kv_local])
-    a = times[att]
-    per_step = a / cp
-    exposed = (cp - 1) * (np.maximum(0.0, step - per_step) + step + np.maximum(0.0, step - 2 * per_step))
+    handshake = cluster.params.p2p_overhead_s
+    step = np.array([collective_time("send_recv", float(k), group, cluster) + handshake
+                     for k in kv_local])
+    per_step = times[att] / cp
+    exposed = (cp - 1) * (_beside(step, per_step, cluster) + step
+                          + _beside(step, 2 * per_step, cluster))
     if not lay.cp_balance:
-        exposed = exposed + (cp - 1) / cp * ATTENTION_FWD_BWD_OVER_FWD * a
+        exposed = exposed + (cp - 1) / cp * ATTENTION_FWD_BWD_OVER_FWD * times[att]
     np.add.at(exposed_per_stage, node_stages(facts, cluster, lay)[att], exposed)
     return exposed_per_stage
+
+
+def _beside(transfer: np.ndarray, compute: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """Seconds a transfer adds beside ``compute`` seconds it may hide behind (the docstring's x)."""
+    hidden = np.minimum(transfer, comm_overlap(cluster) * compute)
+    return transfer - hidden + cluster.params.overlap_slowdown * hidden

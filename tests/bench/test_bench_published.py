@@ -38,10 +38,11 @@ def _write(tmp_path, rows, name="runs.csv"):
 
     path = tmp_path / name
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(COLUMNS) + ["notes"])
+        extra = sorted({k for r in rows for k in r} - set(COLUMNS) - {"notes"})  # head_dim
+        w = csv.DictWriter(f, fieldnames=list(COLUMNS) + ["notes"] + extra)
         w.writeheader()
         for r in rows:
-            w.writerow({**r, "notes": ""})
+            w.writerow({"notes": "", **r})
     return path
 
 
@@ -96,6 +97,28 @@ def test_reader_converts_metrics_and_marks_assumptions(tmp_path):
     assert r_step.tok_s_gpu == pytest.approx(32 * 64 / 2.0 / 8)
     assert set(r_step.assumed) == {"zero", "recompute", "sp"} and r_step.layout.zero == 1
     assert r_fp8.layout.fp8 == "all" and r_fp8.layout.zero == 1 and not r_fp8.assumed
+
+
+def test_head_widths_are_read_and_mixtures_of_experts_skipped_with_their_shape(tmp_path):
+    """A head width comes from the column or the notes; a mixture of experts is named with its
+    experts and skipped (the zoo's MoE is not the recipes': bench/published_runs.py)."""
+    shape = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, seq_len=64, num_gpus=8,
+                 dp=8, microbatch=1, global_batch_sequences=16, zero_or_fsdp="1")
+    rows = [_row(ffn_hidden="176", notes="shape from a provider (head_dim 32)", **shape),
+            _row(ffn_hidden="176", head_dim="8", **shape),
+            _row(ffn_hidden="176", **shape),
+            _row(ffn_hidden="256", head_dim="8", **{**shape, "kv_heads": 4}),
+            _row(ffn_hidden="96 per expert (8 experts, top-2)", ep=4, **shape),
+            _row(ffn_hidden="176", ep=2, **shape)]
+    noted, column, plain, gpt_wide, moe, ep_only = read_published(_write(tmp_path, rows))
+    assert noted.config.head_dim == 32 and noted.config.attn_dim == 128
+    assert column.config.head_dim == 8 and plain.config.head_dim == 16  # hidden / heads
+    assert noted.model != plain.model  # captured apart
+    assert "head width other than hidden / heads" in gpt_wide.skip
+    assert "mixture of experts (8 experts, top-2)" in moe.skip
+    assert "mixture of experts" in ep_only.skip
+    tps = PublishedPricer(CostParams()).price([noted, plain]).tps
+    assert tps[0] < tps[1]  # twice the attention width: more FLOPs per token
 
 
 def test_nvidia_recipes_are_priced_with_megatron_cores_overlaps(tmp_path):

@@ -160,16 +160,17 @@ def test_local_pipelines_priced_as_they_run(tmp_path, monkeypatch):
     from autopar import models
     from autopar.search.step import captured_step
     from cost import Layout
+    from cost.terms.pipeline_parallel import p2p_time
 
     data = {
         "version": 1, "world_size": 4, "matmul_flops": {"fp32": 2e11}, "memory_bw": 2e10,
-        "kernel_floor_s": 2e-6, "collectives": {"send_recv": {"latency_s": 1e-4, "busbw": 1e9}},
-        "pipeline": {"overhead_s": 3e-3},
+        "kernel_floor_s": 2e-6, "collectives": {"send_recv": {"latency_s": 1e-5, "busbw": 1e9}},
+        "pipeline": {"overhead_s": 3e-5},
         "raw": {"threads": {"intra_op": 2, "cpu_count": 2}},
     }
     monkeypatch.setenv("AUTOPAR_CALIBRATION", str(save_calibration(data, tmp_path / "cal.json")))
     four = Cluster.local()
-    assert four.params.p2p_overhead_s == 3e-3
+    assert four.params.p2p_overhead_s == 3e-5
     batch = models.example_inputs("tiny-llama", batch=8, seq=16, device="meta")
     facts = captured_step(models.build("tiny-llama", device="meta"), batch, None, None, fused=False).facts()
     lay = Layout(pp=2, dp=2, microbatch=1, grad_accum=4, precision="fp32")
@@ -177,11 +178,16 @@ def test_local_pipelines_priced_as_they_run(tmp_path, monkeypatch):
     alone = Cluster.local()
     alone.host_share = None  # as if each rank had its own core budget
     plain = priced(facts, alone, lay)
-    # 1F1B, 2 stages, 4 micro-batches: 4 of 5 slots busy, so 2 ranks of 4 busy on 2 cores
-    # get 2 / (4 * 0.8) = 0.625 of a core each instead of 0.5
-    assert shared.time_breakdown["compute_s"] == pytest.approx(plain.time_breakdown["compute_s"] * 0.8)
-    # two transfers per micro-batch, each 3 ms beyond its bytes
-    assert shared.time_breakdown["pp_p2p_s"] >= 4 * 2 * 3e-3
+    # 1F1B, 2 stages, 4 micro-batches: a rank computes in 4 of 5 slots, and of each slot's
+    # t + 2x (x a transfer) for t: busy f = 1 / (1.25 (1 + 2x / t)) of the 4 ranks on 2
+    # cores, each busy one with 1 / (4 f) cores, not 1/2: t = t_all f, so f = 0.8 - 2x / t_all
+    t_all = plain.time_breakdown["compute_s"] / 4
+    x = p2p_time(facts, four, lay.resolve(facts.batch, "fp32"), 1 / facts.batch, t_all)
+    assert 3e-5 < x and 0.5 < 0.8 - 2 * x / t_all < 0.75
+    assert shared.time_breakdown["compute_s"] == pytest.approx(
+        plain.time_breakdown["compute_s"] * (0.8 - 2 * x / t_all))
+    # two transfers per micro-batch, each 30 us beyond its bytes
+    assert shared.time_breakdown["pp_p2p_s"] >= 4 * 2 * 3e-5
 
 
 def test_calibration_rejects_bad_files(tmp_path):
