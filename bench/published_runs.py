@@ -194,9 +194,10 @@ def _head_dim(where: str, row: dict) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _config(key: str, ints: dict, experts: tuple[int, int] | None,
+def _config(where: str, key: str, ints: dict, experts: tuple[int, int] | None,
             head_dim: int | None) -> ModelConfig | str:
-    """The zoo config of the row's shape, or the reason it cannot be priced."""
+    """The zoo config of the row's shape, or the reason it cannot be priced; `RunsError`
+    naming the row where the shape itself is malformed."""
     h, heads, kv, ffn = ints["hidden"], ints["heads"], ints["kv_heads"], ints["ffn_hidden"]
     if experts is not None or ints["ep"] > 1 or ffn is None:
         what = f" ({experts[0]} experts, top-{experts[1]})" if experts else ""
@@ -207,7 +208,7 @@ def _config(key: str, ints: dict, experts: tuple[int, int] | None,
     gpt = ffn == 4 * h  # the GPT-style block: MHA of hidden / heads
     if gpt and (kv != heads or head_dim not in (None, h // heads)):
         return ("a non-gated 4h MLP with grouped-query attention or a head width other than "
-                "hidden / heads: no zoo block has both")
+                "hidden / heads: no zoo block has that combination")
     common = dict(n_layers=ints["layers"], hidden=h, n_heads=heads, n_kv_heads=kv, ffn=ffn,
                   vocab=ints["vocab"], max_seq=ints["seq_len"])
     try:
@@ -216,7 +217,8 @@ def _config(key: str, ints: dict, experts: tuple[int, int] | None,
         return ModelConfig(key, family="llama", norm="rmsnorm", tied=False, rope_theta=500000.0,
                            head_dim=head_dim, **common)
     except ValueError as e:
-        return f"the model shape cannot be built: {e}"
+        raise RunsError(f"{where}: the model shape is inconsistent ({e}); fix the row's "
+                        "hidden, heads, kv_heads or head_dim") from None
 
 
 def parse_row(where: str, line: int, row: dict) -> PublishedRun:
@@ -269,7 +271,7 @@ def parse_row(where: str, line: int, row: dict) -> PublishedRun:
            f"a{ints['heads']}/{ints['kv_heads']} v{ints['vocab']}"
            + (f" d{head_dim}" if head_dim else "")
            + (f" e{experts[0]}k{experts[1]}" if experts else ""))
-    cfg = variant or _config(key, ints, experts, head_dim)
+    cfg = variant or _config(where, key, ints, experts, head_dim)
     skip = cfg if isinstance(cfg, str) else ""
     per_node = ints["gpus_per_node"]
     dp, tp, pp, cp = (ints[c] for c in ("dp", "tp", "pp", "cp"))

@@ -253,9 +253,8 @@ def predict(
     node_stage = node_stages(facts, cluster, lay)
     recomp = rerun_per_stage(node_stage, times, staged_rerun(facts, choices, node_stage), pp)
     # CPU ranks: the cores of ranks idle in the bubble or at a hand-off help the busy ones
-    busy_s = float((fwd + bwd + recomp).max())
-    shared = shared_host_factor(cluster, lay, busy_s,
-                                p2p_time(facts, cluster, lay, scale, busy_s))
+    shared = shared_host_factor(cluster, lay, float((fwd + bwd + recomp).max()),
+                                lambda t: p2p_time(facts, cluster, lay, scale, t))
     fwd, bwd, host, recomp = fwd * shared, bwd * shared, host * shared, recomp * shared
     recomputing = np.array([c.mode != "none" for c in choices])
     if recomputing.any():  # and the SP gathers the recomputed values start from

@@ -125,7 +125,8 @@ def candidate_layouts(
 
 
 # Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs). The
-# price lends a bubble's idle cores to the busy ranks (`shared_host_factor`) and charges each
+# price lends the cores of ranks idle in the bubble or at a hand-off to the busy ones
+# (`shared_host_factor`) and charges each
 # transfer the overhead `autopar calibrate` measures on loaded ranks (the OS hand-offs between
 # ranks that share cores), but the runtime's idle is still under-predicted where pipelines run
 # beside each other (`python -m autopar bench runtime`: a PP2 x DP2 pipeline idles ~1.2x its

@@ -31,13 +31,18 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     `CostParams.overlap_slowdown`, as every overlapped collective does):
 
         forward    (cp - 1) x(c, a / cp)
-        backward   (cp - 1) (c + x(c, 2 a / cp))   (dK/dV follow their block, not overlapped)
+        backward   (cp - 1) x(c, 2 a / cp) + cp g   (dK/dV follow their block, not overlapped)
 
-    A transfer is a point-to-point hand-off like a pipeline's: c is its bytes'
-    ``send_recv`` time plus `CostParams.p2p_overhead_s` (the handshake; 2.8 ms on the 2-core
-    box's gloo ranks, `autopar calibrate`, 6 us fitted on h100-efa). The pipelines' per-node
-    overhead (`p2p_node_overhead_s`) is not added: it was fitted on the playbook's stage
-    hand-offs, and the held-out fits drive it to 0.
+    with g one dK/dV transfer: the gradients travel the whole ring home (cp hops,
+    runtime/ring_attention.py), in autopar's ring as fp32 accumulators (4 / the precision's
+    element bytes times c's bytes; Transformer Engine's ring, ``ring_native_attention``, in
+    the attention's dtype).
+
+    A transfer is a point-to-point hand-off like a pipeline's: its bytes' ``send_recv`` time
+    plus `CostParams.p2p_overhead_s` (the handshake; 2.8 ms on the 2-core box's gloo ranks,
+    `autopar calibrate`, 6 us fitted on h100-efa). The pipelines' per-node overhead
+    (`p2p_node_overhead_s`) is not added: it was fitted on the playbook's stage hand-offs, and
+    the held-out fits drive it to 0.
 
     The ring sends K and V (and their gradients back) as the kv heads' bytes where it expands
     after the exchange (`StepFacts.cp_kv_heads`: autopar's ring on an expansion
@@ -59,12 +64,13 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     heads = facts.cp_kv_heads and (facts.kv_heads is None or tp <= facts.kv_heads)
     kv = n.attention_kv_heads_bytes if heads else n.attention_kv_bytes
     kv_local = kv[att] * scale / cp / np.where(n.tp_div[att], tp, 1)
-    handshake = cluster.params.p2p_overhead_s
-    step = np.array([collective_time("send_recv", float(k), group, cluster) + handshake
-                     for k in kv_local])
+    grad_scale = 1.0 if facts.ring_native_attention else 4.0 / _element_bytes(lay.precision)
+    step, grad = (np.array([collective_time("send_recv", float(k) * f, group, cluster)
+                            + cluster.params.p2p_overhead_s for k in kv_local])
+                  for f in (1.0, grad_scale))
     per_step = times[att] / cp
-    exposed = (cp - 1) * (_beside(step, per_step, cluster) + step
-                          + _beside(step, 2 * per_step, cluster))
+    exposed = ((cp - 1) * (_beside(step, per_step, cluster) + _beside(step, 2 * per_step, cluster))
+               + cp * grad)
     if not lay.cp_balance:
         exposed = exposed + (cp - 1) / cp * ATTENTION_FWD_BWD_OVER_FWD * times[att]
     np.add.at(exposed_per_stage, node_stages(facts, cluster, lay)[att], exposed)
@@ -75,3 +81,9 @@ def _beside(transfer: np.ndarray, compute: np.ndarray, cluster: Cluster) -> np.n
     """Seconds a transfer adds beside ``compute`` seconds it may hide behind (the docstring's x)."""
     hidden = np.minimum(transfer, comm_overlap(cluster) * compute)
     return transfer - hidden + cluster.params.overlap_slowdown * hidden
+
+
+def _element_bytes(precision: str) -> int:
+    """Bytes of one attention input element at a layout's precision (FP8 layouts keep
+    attention in bf16)."""
+    return 4 if precision == "fp32" else 2

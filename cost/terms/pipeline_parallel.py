@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from cost.cluster import Cluster
 from cost.comm import Group, axis_group, collective_time
 from cost.pipeline import bubble_fraction, pipeline_step_time
 from cost.step_facts import StepFacts
 from cost.terms.common import comm_overlap
+from cost.terms.compute import virtual_stages
 from vocab.layout import Layout
 
 
@@ -63,18 +66,21 @@ def pipeline_time(slowest_stage_s: float, p2p_s: float, lay: Layout) -> tuple[fl
 
 
 def shared_host_factor(cluster: Cluster, lay: Layout, stage_s: float = 0.0,
-                       p2p_s: float = 0.0) -> float:
+                       transfer: Callable[[float], float] | None = None) -> float:
     """Factor (<= 1) on a pipeline stage's compute seconds when its ranks time-share a host's
     cores (local CPU ranks, `cost.cluster.HostShare`): a rank idle in the bubble or waiting at a
     hand-off lends its core to the busy ones, so a busy rank computes faster than with every
     rank busy. 1 on devices and without a pipeline.
 
-    A rank computes m of the schedule's (m + p - 1) (1 + bubble) slots, each slot its stage's
-    t seconds and two transfers of ``p2p_s``: busy fraction 1 / ((1 + bubble)(1 + 2 p2p_s / t)),
-    with t = ``stage_s`` (seconds per micro-batch with every rank busy) times the factor
-    itself: a fixed point (faster stages wait longer at each hand-off). Iterated from 1 the
-    factor only falls, and it is bounded below by the cores a rank can use
-    (`cost.cluster.rank_share`), so the iteration converges.
+    A rank computes in m of the schedule's m (1 + bubble) slots, each slot its stage's t
+    seconds and 2v transfers of x(t) = ``transfer(t)`` (`p2p_time` at that stage time; v the
+    interleave depth): busy fraction 1 / ((1 + bubble)(1 + 2v x(t) / t)), with t = ``stage_s``
+    (seconds per micro-batch with every rank busy) times the factor itself: a fixed point
+    (faster stages wait longer at each hand-off). Iterated from 1 the factor only falls, and it
+    is bounded below by the cores a rank can use (`cost.cluster.rank_share`), so the iteration
+    converges. Where the cores do not cap the speedup (f = busy), the slot t f + 2v x(t f)
+    equals t / (1 + bubble), and where they do it is larger: the hand-offs cost at least what
+    their idle cores lend (`autopar.search.bound` relies on it).
 
     Measured (`bench runtime`, 4 gloo ranks on 2 cores, three runs): PP4 1F1B (m=8) priced
     0.67-0.73x its measured step, the layouts without a pipeline 0.69-0.83x; with the bubble
@@ -82,10 +88,12 @@ def shared_host_factor(cluster: Cluster, lay: Layout, stage_s: float = 0.0,
     if lay.pp == 1 or cluster.host_share is None:
         return 1.0
     bubble = bubble_fraction(lay.schedule, lay.pp, lay.grad_accum, lay.virtual_stages)
+    handoffs = 2 * virtual_stages(lay)
     factor = 1.0
     for _ in range(200):
         t = stage_s * factor
-        busy = 1.0 / ((1.0 + bubble) * (1.0 + (2 * p2p_s / t if t > 0 else 0.0)))
+        waiting = handoffs * transfer(t) / t if transfer is not None and t > 0 else 0.0
+        busy = 1.0 / ((1.0 + bubble) * (1.0 + waiting))
         new = 1.0 / cluster.host_share.busy_speedup(cluster.gpus_per_node, busy)
         if abs(new - factor) < 1e-9:
             break

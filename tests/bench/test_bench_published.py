@@ -147,6 +147,7 @@ def test_nvidia_recipes_are_priced_with_megatron_cores_overlaps(tmp_path):
     ({"measured_value": "-3"}, "must be > 0"),
     ({"zero_or_fsdp": "maybe"}, "zero_or_fsdp='maybe' is not understood"),
     ({"seq_len": ""}, "seq_len is empty"),
+    ({"ffn_hidden": "176", "kv_heads": "3"}, "model shape is inconsistent .*kv heads must divide"),
 ])
 def test_bad_rows_are_named(tmp_path, change, match):
     with pytest.raises(RunsError, match=match):

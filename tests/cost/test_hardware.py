@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -188,6 +189,36 @@ def test_local_pipelines_priced_as_they_run(tmp_path, monkeypatch):
         plain.time_breakdown["compute_s"] * (0.8 - 2 * x / t_all))
     # two transfers per micro-batch, each 30 us beyond its bytes
     assert shared.time_breakdown["pp_p2p_s"] >= 4 * 2 * 3e-5
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_local_pipeline_handoff_waits_never_make_a_step_faster(tmp_path, monkeypatch, schedule):
+    """A peer descheduled at each hand-off (`HostShare.wait_per_compute`) lends its core while
+    it waits, but the wait itself is on the step: the price never falls as the wait grows,
+    and the search's lower bound (`autopar.search.bound`) stays below the price."""
+    from autopar import models
+    from autopar.search.bound import step_time_lower_bound
+    from autopar.search.step import captured_step
+    from cost import Layout
+
+    cfg = dataclasses.replace(models.config("tiny-llama"), n_layers=4)
+    batch = models.example_inputs(cfg, batch=64, seq=64, device="meta")
+    facts = captured_step(models.build(cfg, device="meta"), batch, None, None, fused=False).facts()
+    lay = Layout(pp=2, dp=2, microbatch=8, grad_accum=4, precision="fp32", schedule=schedule,
+                 virtual_stages=2 if schedule == "interleaved-1f1b" else 1)
+    steps = []
+    for wait in (0.0, 0.05, 0.1, 0.5):
+        data = {
+            "version": 1, "world_size": 4, "matmul_flops": {"fp32": 2e11}, "memory_bw": 2e10,
+            "kernel_floor_s": 2e-6, "collectives": {"send_recv": {"latency_s": 1e-5, "busbw": 1e9}},
+            "pipeline": {"overhead_s": 3e-4, "wait_per_compute": wait},
+            "raw": {"threads": {"intra_op": 2, "cpu_count": 2}},
+        }
+        monkeypatch.setenv("AUTOPAR_CALIBRATION", str(save_calibration(data, tmp_path / f"c{wait}.json")))
+        four = Cluster.local()
+        steps.append(priced(facts, four, lay).step_time_s)
+        assert step_time_lower_bound(facts, four, lay) <= steps[-1] * (1 + 1e-9)
+    assert steps == sorted(steps) and steps[-1] > steps[0]
 
 
 def test_calibration_rejects_bad_files(tmp_path):
