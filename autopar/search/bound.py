@@ -16,8 +16,9 @@ computed with the same functions (`step_node_times`, `compute_per_stage`) as the
 CPU ranks that share cores the price scales the stages' compute by `shared_host_factor` with
 the hand-offs' waits counted; LB takes the factor of the bubble alone, which is larger, but a
 slot's compute and hand-offs together, t f + 2 v p2p, are never below t times it (that
-function's docstring), so LB stays below the price. A layout with LB >= the best step found so far cannot
-replace it (the solver replaces only on a strictly smaller step), so it need not be priced.
+function's docstring), so LB stays below the price. A layout with LB >= the best step found
+so far cannot replace it (the solver replaces only on a strictly smaller step), so it need
+not be priced.
 LB costs one bincount over the graph's nodes: the node times are memoised per (tp, cp, sp,
 micro-batch, precision), shared by every layout that differs only in ZeRO, schedule or
 recompute, while memory and recompute choice are priced per layout.

@@ -126,11 +126,11 @@ def candidate_layouts(
 
 # Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs). The
 # price lends the cores of ranks idle in the bubble or at a hand-off to the busy ones
-# (`shared_host_factor`) and charges each
-# transfer the overhead `autopar calibrate` measures on loaded ranks (the OS hand-offs between
-# ranks that share cores), but the runtime's idle is still under-predicted where pipelines run
-# beside each other (`python -m autopar bench runtime`: a PP2 x DP2 pipeline idles ~1.2x its
-# price; its DP all-reduce after the schedule waits for the other pipeline). With pipelines
+# (`shared_host_factor`) and charges each transfer the overhead `autopar calibrate` measures
+# on loaded ranks (the OS hand-offs between ranks that share cores), but pipelines that run
+# beside each other are still priced too fast (`python -m autopar bench runtime`: PP2 x DP2's
+# compute ~1.6x, PP4's 1.3x, DP's 1.25x; its DP all-reduce after the schedule waits for the
+# other pipeline?). With pipelines
 # searched, the solver's pick (dp2 pp2 zero1 zero-bubble) was priced within 1 % of DP/ZeRO-1:
 # too close a call for a price that is this far off.
 
