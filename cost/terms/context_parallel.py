@@ -6,6 +6,7 @@ import numpy as np
 
 from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
+from cost.compute import MATMUL_OUT_BYTES
 from cost.step_facts import StepFacts
 from cost.terms.common import comm_overlap
 from cost.terms.compute import node_stages
@@ -64,7 +65,7 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     heads = facts.cp_kv_heads and (facts.kv_heads is None or tp <= facts.kv_heads)
     kv = n.attention_kv_heads_bytes if heads else n.attention_kv_bytes
     kv_local = kv[att] * scale / cp / np.where(n.tp_div[att], tp, 1)
-    grad_scale = 1.0 if facts.ring_native_attention else 4.0 / _element_bytes(lay.precision)
+    grad_scale = 1.0 if facts.ring_native_attention else 4.0 / MATMUL_OUT_BYTES[lay.precision]
     step, grad = (np.array([collective_time("send_recv", float(k) * f, group, cluster)
                             + cluster.params.p2p_overhead_s for k in kv_local])
                   for f in (1.0, grad_scale))
@@ -82,8 +83,3 @@ def _beside(transfer: np.ndarray, compute: np.ndarray, cluster: Cluster) -> np.n
     hidden = np.minimum(transfer, comm_overlap(cluster) * compute)
     return transfer - hidden + cluster.params.overlap_slowdown * hidden
 
-
-def _element_bytes(precision: str) -> int:
-    """Bytes of one attention input element at a layout's precision (FP8 layouts keep
-    attention in bf16)."""
-    return 4 if precision == "fp32" else 2
