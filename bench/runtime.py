@@ -32,6 +32,7 @@ import torch
 
 from autopar.report import fmt_time, json_ready, table
 from runtime.launch import spawn
+from runtime.profiling import quiet_profile
 
 # The cost model's CPU_ADAM_BYTES_PER_PARAM (cost/step.py) was fitted on the optimizer step of
 # 4.2 M fp32 parameters, the full run's 4-layer model, and `cost.cluster.rank_share` was set
@@ -380,39 +381,6 @@ def _overlap(on: bool):
 EXPOSED_COMM = ("dp_comm_exposed_s", "tp_comm_s", "ep_comm_s")
 
 
-@contextlib.contextmanager
-def _stderr_silenced():
-    """The process's stderr (file descriptor 2, where C++ prints) sent to /dev/null."""
-    import sys
-
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-@contextlib.contextmanager
-def _quiet_profile():
-    """A CPU `torch.profiler.profile` whose start and stop run with stderr silenced: torch 2.13
-    prints a line at each (`SyncActivityProfilerHandler`), hundreds over the bench's steps;
-    the profiled code itself keeps its stderr."""
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with _stderr_silenced():
-        prof.start()
-    try:
-        yield prof
-    finally:
-        with _stderr_silenced():
-            prof.stop()
-
-
 def _comm_waits(step, repeat: int) -> float:
     """Seconds per step the slowest rank spent blocked in the collectives' waits
     (``_c10d_functional::wait_tensor``, under `torch.profiler`), the median over ``repeat``
@@ -422,7 +390,7 @@ def _comm_waits(step, repeat: int) -> float:
     per_step = []
     for _ in range(repeat):
         dist.barrier()
-        with _quiet_profile() as prof:
+        with quiet_profile() as prof:
             step(optimizer=False)
         waits = sum(e.cpu_time_total for e in prof.key_averages() if e.key == "_c10d_functional::wait_tensor")
         slowest = torch.tensor([waits / 1e6])

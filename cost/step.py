@@ -252,9 +252,8 @@ def predict(
     choices = recompute_choices(facts, cluster, lay)
     node_stage = node_stages(facts, cluster, lay)
     recomp = rerun_per_stage(node_stage, times, staged_rerun(facts, choices, node_stage), pp)
-    # CPU ranks: the cores of ranks idle in the bubble or at a hand-off help the busy ones
-    shared = shared_host_factor(cluster, lay, float((fwd + bwd + recomp).max()),
-                                lambda t: p2p_time(facts, cluster, lay, scale, t))
+    # CPU ranks: the cores of ranks with nothing to do in a slot help the busy ones
+    shared = shared_host_factor(cluster, lay, fwd + bwd + recomp)
     fwd, bwd, host, recomp = fwd * shared, bwd * shared, host * shared, recomp * shared
     recomputing = np.array([c.mode != "none" for c in choices])
     if recomputing.any():  # and the SP gathers the recomputed values start from

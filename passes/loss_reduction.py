@@ -199,20 +199,7 @@ def analyze_loss(gm: fx.GraphModule, signature: GraphSignature, rows_proven: boo
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loss = output.args[0][signature.loss_index]
     kinds_in = dict(zip(signature.placeholders, signature.inputs))
-    batch = _local_batch(gm, kinds_in)
-    needed = _ancestors(loss)
-    has_param: dict[fx.Node, bool] = {}
-    kinds: dict[fx.Node, object] = {}
-    for node in gm.graph.nodes:
-        if node not in needed:
-            continue
-        has_param[node] = (kinds_in.get(node.name, ("",))[0] == "param"
-                           or any(has_param.get(i, False) for i in node.all_input_nodes))
-    facts = _Facts(batch, has_param, _constants(gm), _sizes(gm, kinds_in), rows_proven)
-    for node in gm.graph.nodes:
-        if node in needed:
-            kinds[node] = _kind(node, kinds, kinds_in, facts)
-    top = kinds[loss]
+    top = _kind_of(gm, signature, loss, rows_proven)
     if top.kind == "X":
         return LossReduction("unproven", why=top.why, node=top.node)
     if top.kind == "B":
@@ -236,6 +223,49 @@ def analyze_loss(gm: fx.GraphModule, signature: GraphSignature, rows_proven: boo
         return LossReduction("unproven", why=counter, node=dens[0])
     mode = "ratio" if len(dens) == 1 and not top.means else "global"
     return LossReduction(mode, counter=counter, denominators=dens)
+
+
+def output_join(gm: fx.GraphModule, signature: GraphSignature, node: fx.Node,
+                rows_proven: bool = False, fed: frozenset = frozenset()) -> LossReduction:
+    """How the 0-dim output ``node`` of ``gm`` (a value the forward returns beside the loss: a
+    metric, an auxiliary loss, a count) joins over the step's micro-batches, each of the same
+    rows: mode "mean" for a mean over the batch (kind A) or a value the batch does not enter (U:
+    every micro-batch computes the same), "sum" for a sum over it (E: a count, a summed loss).
+    A ratio of batch sums averages only where each of its denominators is one of ``fed``, the
+    loss's normalisers that `rewrite_denominators` replaces by the step's (D / P in every piece:
+    the pieces' c N_k P / D average to c N / D; a copy of a cross-entropy loss). "unproven"
+    otherwise, with why: a ratio of other batch sums (N_k / D_k do not average to N / D), a max
+    over the batch, a value not reduced over it. ``rows_proven``: as for `analyze_loss`."""
+    k = _kind_of(gm, signature, node, rows_proven)
+    if k.kind == "X":
+        return LossReduction("unproven", why=k.why, node=k.node)
+    if k.kind == "E":
+        return LossReduction("sum")
+    if k.kind == "U" or (k.kind == "A" and set(k.dens) <= fed):
+        return LossReduction("mean")
+    if k.kind == "A":
+        return LossReduction("unproven", node=node, why="a ratio of sums over the batch: the "
+                             "micro-batches' ratios do not average to the batch's")
+    return LossReduction("unproven", why="not reduced over the batch", node=node)
+
+
+def _kind_of(gm: fx.GraphModule, signature: GraphSignature, target: fx.Node, rows_proven: bool) -> Kind:
+    """The `Kind` of ``target``, from the kinds of the nodes it is computed from."""
+    kinds_in = dict(zip(signature.placeholders, signature.inputs))
+    batch = _local_batch(gm, kinds_in)
+    needed = _ancestors(target)
+    has_param: dict[fx.Node, bool] = {}
+    kinds: dict[fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node not in needed:
+            continue
+        has_param[node] = (kinds_in.get(node.name, ("",))[0] == "param"
+                           or any(has_param.get(i, False) for i in node.all_input_nodes))
+    facts = _Facts(batch, has_param, _constants(gm), _sizes(gm, kinds_in), rows_proven)
+    for node in gm.graph.nodes:
+        if node in needed:
+            kinds[node] = _kind(node, kinds, kinds_in, facts)
+    return kinds[target]
 
 
 def for_layout(reduction: LossReduction, tp: int, pp: int) -> LossReduction:

@@ -83,8 +83,10 @@ class RankGraph:
     # reading; the stage's own graphs run under the plan's schedule
     pipeline: PipelinePlan | None = None
     # outputs of the forward other than the loss (logits, a dict's fields): their output
-    # indices, returned after the loss (`merge_micro_batches`), not differentiated
+    # indices, returned after the loss (`merge_micro_batches`), not differentiated, and how
+    # each joins over the micro-batches ("cat", "mean", "sum": `join_micro_batches`)
     other_index: list[int] = field(default_factory=list)
+    other_join: list[str] = field(default_factory=list)
 
 
 class _JointStep(torch.autograd.Function):
@@ -140,7 +142,7 @@ class _JointStep(torch.autograd.Function):
             loss = part if loss is None else loss + part
             others.append([out[i] for i in rank_graph.other_index])
         _save_grads(ctx, _as_parameters(sums, names, params))
-        return _with_others(ctx, loss, merge_micro_batches(others))
+        return _with_others(ctx, loss, merge_micro_batches(others, rank_graph.other_join))
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_others):
@@ -175,7 +177,8 @@ class _PipelineStep(torch.autograd.Function):
                 local[name] = gather_rows(t, dp, group) if name in sharded else t
         seeds, denominators = _seeds(rank_graph, user_inputs, buffers, user_inputs[0].device)
         loss, grads, others = run_pipeline_step(plan, local, buffers, user_inputs, seeds,
-                                                merge=merge_micro_batches,
+                                                merge=lambda values, k: join_micro_batches(
+                                                    values, rank_graph.other_join[k]),
                                                 denominators=() if denominators is None else denominators)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
@@ -192,26 +195,32 @@ class _PipelineStep(torch.autograd.Function):
     backward = staticmethod(_JointStep.backward)
 
 
-def merge_micro_batches(others: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+def merge_micro_batches(others: list[list[torch.Tensor]], joins: list[str]) -> list[torch.Tensor]:
     """The forward's other outputs over the step's micro-batches (one list per micro-batch),
-    each in its own dtype: a tensor concatenated on dim 0 (the batch dim); a 0-dim value (a
-    metric, an auxiliary loss) averaged over the micro-batches if it is floating (micro-batches
-    hold equally many samples), summed if it is an integer (a count). The planner refuses any
-    other output this does not join exactly (`autopar.capture.outputs.check_mergeable`)."""
+    each joined by its entry of ``joins`` (`join_micro_batches`)."""
     if len(others) == 1:
         return list(others[0])
-    merged = []
-    for values in zip(*others):
-        first = values[0]
-        if first.dim() > 0:
-            merged.append(torch.cat(values, dim=0))
-        elif first.dtype == torch.bool:
-            raise ValueError("a 0-dim bool output has no join over micro-batches: return it as a number")
-        elif first.is_floating_point() or first.is_complex():
-            merged.append(torch.stack(values).mean(0))
-        else:  # an integer value is a count: it adds up, kept in its dtype
-            merged.append(torch.stack(values).sum(0).to(first.dtype))
-    return merged
+    return [join_micro_batches(list(values), join) for values, join in zip(zip(*others), joins)]
+
+
+def join_micro_batches(values: list[torch.Tensor], join: str) -> torch.Tensor:
+    """One output's values over the step's micro-batches, in its own dtype: "cat" concatenated
+    on dim 0 (the batch), "mean" averaged (a mean over equally many samples per micro-batch, or
+    a value every micro-batch computes alike), "sum" summed (a count, a sum over the batch), as
+    the planner proved (`autopar.capture.outputs.output_joins`, which refuses the rest)."""
+    first = values[0]
+    if len(values) == 1:
+        return first
+    if join == "cat":
+        return torch.cat(values, dim=0)
+    if first.dtype == torch.bool or join not in ("mean", "sum"):
+        raise ValueError(f"no {join!r} join of a {first.dtype} output over micro-batches")
+    stacked = torch.stack(values)
+    if join == "sum":
+        return stacked.sum(0).to(first.dtype)
+    if first.is_floating_point() or first.is_complex():
+        return stacked.mean(0)
+    return stacked.double().mean(0).to(first.dtype)  # an integer alike in every micro-batch
 
 
 def _with_others(ctx, loss: torch.Tensor, others: list[torch.Tensor]):

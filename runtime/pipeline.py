@@ -357,8 +357,8 @@ def run_pipeline_step(plan: PipelinePlan, params: Mapping[str, torch.Tensor],
 def pipeline_outputs(plan: PipelinePlan, runners: list[_StageRunner], m: int, merge: Callable | None,
                      device) -> list[torch.Tensor]:
     """The forward's other outputs (in their order), on every rank of the pipeline: each made
-    on one stage, joined over its ``m`` micro-batches by ``merge`` there and broadcast from
-    that stage's rank (shapes from the stage's graph)."""
+    on one stage, joined over its ``m`` micro-batches there by ``merge(values, k)`` (k the
+    output's place) and broadcast from that stage's rank (shapes from the stage's graph)."""
     made: dict[str, list[torch.Tensor]] = {}
     for runner in runners:
         for micro in runner.outputs:
@@ -376,10 +376,10 @@ def pipeline_outputs(plan: PipelinePlan, runners: list[_StageRunner], m: int, me
         name = f"{OUTPUT}{k}"
         rank, val = owner[name]
         # every rank knows the joined value's shape and dtype: the merge keeps the dtype and
-        # joins dim 0, the batch (the planner refuses any other output, check_mergeable)
+        # joins dim 0, the batch (the planner refuses any other output, output_joins)
         shape = tuple(val.shape) if val.dim() == 0 or merge is None else (val.shape[0] * m, *val.shape[1:])
         if rank == plan.rank:
-            value = merge([[v] for v in made[name]])[0] if merge else made[name][-1]
+            value = merge(made[name], k) if merge else made[name][-1]
             value = value.to(val.dtype).contiguous()
             if tuple(value.shape) != shape:  # before the broadcast: the other ranks expect shape
                 raise RuntimeError(f"pipeline output {name} joined to shape {list(value.shape)}, "

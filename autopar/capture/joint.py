@@ -225,7 +225,7 @@ def other_outputs_at(model: nn.Module, graph: TrainingGraph, inputs: Sequence[to
                      loss_fn: Callable | None = None) -> list[torch.Tensor]:
     """The forward's other tensors (fake; `OutputTree` order) for ``inputs`` of other shapes than
     ``graph`` was captured with: one forward on fake tensors, no graph
-    (`autopar.capture.outputs.check_mergeable` reads which of them grow with the batch)."""
+    (`autopar.capture.outputs.output_joins` reads which of them grow with the batch)."""
     root = _Step(model, loss_fn)
     root.tree = graph.output_tree
     module_names = {id(m): name for name, m in root.named_modules()}

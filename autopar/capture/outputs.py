@@ -1,11 +1,14 @@
-"""Which of the forward's other outputs can be joined over gradient-accumulation micro-batches.
+"""How each of the forward's other outputs joins over gradient-accumulation micro-batches.
 
 The executor runs the step captured for one micro-batch ``m`` times and joins each other output
-(`runtime.executor.merge_micro_batches`): a per-sample tensor is concatenated on dim 0, a 0-dim
-floating value averaged (micro-batches hold equally many samples), a 0-dim integer summed (a
-count), each in its own dtype. That is exact only where dim 0 is the batch: `check_mergeable`
-proves it from the shapes (dim 0 is the micro-batch's batch and grows ``m``-fold when the
-forward sees the ``m`` micro-batches at once) and refuses the rest before the step runs.
+(`runtime.executor.join_micro_batches`) as `output_joins` decided: a per-sample tensor is
+concatenated on dim 0 ("cat"); a 0-dim value (a metric, an auxiliary loss, a count) averaged
+("mean": a mean over the batch, or a value the batch does not enter; micro-batches hold equally
+many samples) or summed ("sum": a sum over the batch), each in its own dtype, as
+`passes.loss_reduction.output_join` proves on the captured graph. A tensor is exact only where
+dim 0 is the batch, proven from the shapes (dim 0 is the micro-batch's batch and grows
+``m``-fold when the forward sees the ``m`` micro-batches at once). The rest (a ratio of batch
+sums, a max over the batch, a 0-dim bool, a feature statistic) is refused before the step runs.
 """
 
 from __future__ import annotations
@@ -17,19 +20,40 @@ from torch import nn
 
 from autopar.capture.graph import TrainingGraph
 from autopar.errors import InputError
+from passes.loss_reduction import ONE_ROW, LossReduction, output_join
+from vocab.plan_types import GraphSignature
 
 
-def check_mergeable(model: nn.Module, graph: TrainingGraph, micro_inputs: Sequence[torch.Tensor],
-                    local_inputs: Sequence[torch.Tensor], loss_fn: Callable | None, m: int) -> None:
-    """`InputError` naming each other output that ``m`` > 1 micro-batches cannot join exactly:
-    a 0-dim bool (no sum or mean of flags is the step's flag), or a tensor whose dim 0 is not the
+def output_joins(model: nn.Module, graph: TrainingGraph, signature: GraphSignature,
+                 micro_inputs: Sequence[torch.Tensor], local_inputs: Sequence[torch.Tensor],
+                 loss_fn: Callable | None, m: int,
+                 two_rows: Callable[[], tuple[TrainingGraph, GraphSignature]] | None = None,
+                 fed: frozenset = frozenset()) -> list[str]:
+    """The join of each other output over ``m`` micro-batches ("cat", "mean" or "sum", in
+    `OutputTree` order; "cat" for every output when ``m`` = 1: nothing is joined), or
+    `InputError` naming each output no join makes exact: a 0-dim bool (no sum or mean of flags is
+    the step's flag), a 0-dim value `passes.loss_reduction.output_join` does not prove a mean or
+    a sum over the batch (with its reason and source line), or a tensor whose dim 0 is not the
     batch (its shape for ``local_inputs``, the ``m`` micro-batches at once, is not its shape for
-    ``micro_inputs`` with dim 0 times ``m``, or dim 0 is not the micro-batch's size)."""
+    ``micro_inputs`` with dim 0 times ``m``, or dim 0 is not the micro-batch's size). At one row
+    per micro-batch an op along dim 0 is proven on the step captured at two rows (``two_rows``),
+    as for the loss; ``fed``: the loss's normalisers the runtime feeds step-wide (a ratio over
+    them averages exactly)."""
     tree = graph.output_tree
-    if m == 1 or tree is None or not tree.tensor_leaves:
-        return
+    if tree is None or not tree.tensor_leaves:
+        return []
     micro = _captured_others(graph)
+    joins = ["cat" if v.dim() > 0 else "mean" for v in micro]
+    if m == 1:
+        return joins
     bad = [(k, "a 0-dim bool") for k, v in enumerate(micro) if v.dim() == 0 and v.dtype == torch.bool]
+    for k, v in enumerate(micro):
+        if v.dim() == 0 and v.dtype != torch.bool:
+            found = _scalar_join(graph, signature, k, two_rows, fed)
+            if found.mode == "unproven":
+                bad.append((k, f"a 0-dim value not proven a mean or a sum over the batch: {found.why} "
+                                f"({found.where() or 'in the forward'})"))
+            joins[k] = found.mode
     shaped = [k for k, v in enumerate(micro) if v.dim() > 0]
     if shaped:
         from autopar.capture.joint import other_outputs_at
@@ -45,12 +69,38 @@ def check_mergeable(model: nn.Module, graph: TrainingGraph, micro_inputs: Sequen
         raise InputError(
             f"grad_accum={m} joins the forward's other outputs over the micro-batches, which is not "
             f"exact for: {what}.\n  fix: return such a value per sample (dim 0 the batch), or as a "
-            "float or integer scalar, or drop it from the output (return the loss only), or use "
-            "grad_accum=1")
+            "mean or a sum over the batch (a ratio as its numerator and denominator sums, divided "
+            "after the step), or drop it from the output (return the loss only), or use grad_accum=1")
+    return joins
+
+
+def _scalar_join(graph: TrainingGraph, signature: GraphSignature, k: int,
+                 two_rows: Callable[[], tuple[TrainingGraph, GraphSignature]] | None,
+                 fed: frozenset) -> LossReduction:
+    """`output_join` of the ``k``-th other output, retried at two rows where one row is too few
+    (there the ratio's normalisers are not the fed nodes: any ratio counts as proven)."""
+    node = _other_nodes(graph)[k]
+    found = output_join(graph.gm, signature, node, fed=fed)
+    if found.mode == "unproven" and ONE_ROW in found.why and two_rows is not None:
+        wider, wider_signature = two_rows()
+        wider_node = _other_nodes(wider)[k]
+        if _kind_proven(output_join(wider.gm, wider_signature, wider_node)):
+            found = output_join(graph.gm, signature, node, rows_proven=True, fed=fed)
+    return found
+
+
+def _kind_proven(found: LossReduction) -> bool:
+    """Whether the two-row analysis kept the samples apart (a ratio's why is not `ONE_ROW`)."""
+    return found.mode != "unproven" or ONE_ROW not in found.why
+
+
+def _other_nodes(graph: TrainingGraph) -> list[torch.fx.Node]:
+    """The graph's output nodes of the other tensors, in `OutputTree` order."""
+    out = next(n for n in graph.gm.graph.nodes if n.op == "output")
+    index = {o.name: o.index for o in graph.outputs if o.kind == "other"}
+    return [out.args[0][index[f"output{k + 1}"]] for k in range(len(graph.output_tree.tensor_leaves))]
 
 
 def _captured_others(graph: TrainingGraph) -> list[torch.Tensor]:
     """The other tensors' traced values (fake), in `OutputTree` order."""
-    out = next(n for n in graph.gm.graph.nodes if n.op == "output")
-    index = {o.name: o.index for o in graph.outputs if o.kind == "other"}
-    return [out.args[0][index[f"output{k + 1}"]].meta["val"] for k in range(len(graph.output_tree.tensor_leaves))]
+    return [node.meta["val"] for node in _other_nodes(graph)]

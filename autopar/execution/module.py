@@ -205,14 +205,15 @@ class ParallelModule(nn.Module):
         import time
         from pathlib import Path
 
-        from torch.profiler import ProfilerActivity, profile, record_function
+        from torch.profiler import record_function
 
         from autopar.planning.measured import label_trace
+        from runtime.profiling import quiet_profile
 
         if not self.training:
             raise InputError("profile_step profiles a training step but the module is in eval "
                              "mode; fix: call pm.train() first")
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with quiet_profile() as prof:
             t0 = time.perf_counter()
             with record_function("autopar forward"):
                 loss = self._loss_of(self(*batch))

@@ -59,6 +59,7 @@ rank allocates only its shards, filled from a checkpoint of any layout by
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import pickle
 from collections.abc import Callable, Sequence
@@ -71,7 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.analysis.graph import analyze
 from autopar.capture.fingerprint import StepCache, model_fingerprint, step_key
 from autopar.capture.joint import TrainingGraph, capture, capture_with_sources
-from autopar.capture.outputs import check_mergeable
+from autopar.capture.outputs import output_joins
 from autopar.errors import InputError
 from autopar.execution.module import ParallelModule, _dp_rank
 from autopar.execution.placement import _to_dtensors
@@ -196,11 +197,19 @@ def parallelize(
     local_inputs = tuple(x.chunk(lay.dp, dim=0)[_dp_rank(mesh)] for x in example_inputs)
     micro_inputs = tuple(x[: x.shape[0] // m] for x in local_inputs)
     graph = _capture_local(model, micro_inputs, loss_fn, lay.ep)
-    check_mergeable(model, graph, micro_inputs, local_inputs, loss_fn, m)
     signature = captured_signature(graph)
+
+    @functools.cache
+    def two_rows() -> tuple[TrainingGraph, GraphSignature]:  # where one row per piece is too few
+        wider = capture(model, tuple(x[:2] for x in example_inputs), loss_fn=loss_fn)
+        return wider, captured_signature(wider)
+
     reduction = _loss_reduction(graph.gm, signature, lay, loss_reduction,
                                 lambda: capture_with_sources(model, micro_inputs, loss_fn).gm,
-                                lambda: capture(model, tuple(x[:2] for x in example_inputs), loss_fn=loss_fn))
+                                lambda: two_rows()[0])
+    # a ratio over the loss's normalisers reads the step-wide ones the runtime feeds
+    fed = frozenset(reduction.denominators) if reduction is not None and reduction.mode == "global" else frozenset()
+    joins = output_joins(model, graph, signature, micro_inputs, local_inputs, loss_fn, m, two_rows, fed)
     # the passes of `rewrite.PASSES`, in order, each on its part of the plan; the plan is
     # never edited: what they find is the execution report pm.plan carries
     state = RankRewrite(gm=graph.gm, signature=signature, shapes=dict(graph.param_shapes),
@@ -228,13 +237,14 @@ def parallelize(
     unloaded = _to_dtensors(module, params_mesh, chosen.decisions, graph.aliases, held, meshes)
     shapes_in = [tuple(x.shape) for x in (local_inputs if local_batch else example_inputs)]
     canonical = [p for p in state.signature.placeholder_of("param") if held is None or p in held]
-    return ParallelModule(module, _rank_graph(state), chosen.with_execution(report), mesh,
+    return ParallelModule(module, _rank_graph(state, joins), chosen.with_execution(report), mesh,
                           shapes_in, canonical, local_batch=local_batch, unloaded=unloaded, original=model,
                           loss_fn=loss_fn, output_tree=graph.output_tree)
 
 
-def _rank_graph(state: RankRewrite) -> RankGraph:
-    """What the executor runs on this rank: the rewritten graph, what feeds it and reads it."""
+def _rank_graph(state: RankRewrite, joins: list[str]) -> RankGraph:
+    """What the executor runs on this rank: the rewritten graph, what feeds it and reads it
+    (``joins``: how each other output joins over the micro-batches, `output_joins`)."""
     lay, signature = state.layout, state.signature
     inputs = list(signature.inputs) + state.accum_inputs
     dp, group = lay.dp, state.mesh["dp"].get_group() if lay.dp > 1 else None
@@ -265,6 +275,7 @@ def _rank_graph(state: RankRewrite) -> RankGraph:
         expert_owners=owners,
         pipeline=state.pipeline,
         other_index=list(state.others),
+        other_join=list(joins),
     )
 
 

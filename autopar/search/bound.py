@@ -13,12 +13,11 @@ by non-negative numbers are monotone,
     step >= LB = pipeline(max_s (fwd_s + bwd_s), 0)
 
 computed with the same functions (`step_node_times`, `compute_per_stage`) as the price. On
-CPU ranks that share cores the price scales the stages' compute by `shared_host_factor` with
-the hand-offs' waits counted; LB takes the factor of the bubble alone, which is larger, but a
-slot's compute and hand-offs together, t f + 2 v p2p, are never below t times it (that
-function's docstring), so LB stays below the price. A layout with LB >= the best step found
-so far cannot replace it (the solver replaces only on a strictly smaller step), so it need
-not be priced.
+CPU ranks that share cores the price scales the stages' compute by `shared_host_factor` of
+the stages' times; LB takes that function's floor (the slowest stage's slots at the most
+cores a rank can use, no bubble), which no stage times go below, so LB stays below the
+price. A layout with LB >= the best step found so far cannot replace it (the solver
+replaces only on a strictly smaller step), so it need not be priced.
 LB costs one bincount over the graph's nodes: the node times are memoised per (tp, cp, sp,
 micro-batch, precision), shared by every layout that differs only in ZeRO, schedule or
 recompute, while memory and recompute choice are priced per layout.

@@ -125,14 +125,11 @@ def candidate_layouts(
 
 
 # Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs). The
-# price lends the cores of ranks idle in the bubble or at a hand-off to the busy ones
-# (`shared_host_factor`) and charges each transfer the overhead `autopar calibrate` measures
-# on loaded ranks (the OS hand-offs between ranks that share cores), but pipelines that run
-# beside each other are still priced too fast (`python -m autopar bench runtime`: PP2 x DP2's
-# compute ~1.6x, PP4's 1.3x, DP's 1.25x; its DP all-reduce after the schedule waits for the
-# other pipeline?). With pipelines
-# searched, the solver's pick (dp2 pp2 zero1 zero-bubble) was priced within 1 % of DP/ZeRO-1:
-# too close a call for a price that is this far off.
+# price runs the schedule slot by slot, the busy ranks of a slot sharing the cores the others
+# leave (`shared_host_factor`), and charges each transfer the overhead `autopar calibrate`
+# measures on loaded ranks, but PP2 x DP2 is still priced 2-3 % faster than DP where it
+# measures 1-6 % slower (`python -m autopar bench runtime`): searched, a pipeline could win
+# on a difference smaller than the price's error.
 
 
 def search(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cost.cluster import Cluster
 from cost.comm import Group, axis_group, collective_time
-from cost.pipeline import bubble_fraction, pipeline_step_time
+from cost.pipeline import pipeline_step_time
 from cost.step_facts import StepFacts
 from cost.terms.common import comm_overlap
 from cost.terms.compute import virtual_stages
@@ -65,40 +65,65 @@ def pipeline_time(slowest_stage_s: float, p2p_s: float, lay: Layout) -> tuple[fl
                               lay.virtual_stages)
 
 
-def shared_host_factor(cluster: Cluster, lay: Layout, stage_s: float = 0.0,
-                       transfer: Callable[[float], float] | None = None) -> float:
-    """Factor (<= 1) on a pipeline stage's compute seconds when its ranks time-share a host's
-    cores (local CPU ranks, `cost.cluster.HostShare`): a rank idle in the bubble or waiting at a
-    hand-off lends its core to the busy ones, so a busy rank computes faster than with every
-    rank busy. 1 on devices and without a pipeline.
+def shared_host_factor(cluster: Cluster, lay: Layout,
+                       stage_s: Sequence[float] | None = None) -> float:
+    """Factor (<= 1) on the slowest pipeline stage's compute seconds when the ranks time-share a
+    host's cores (local CPU ranks, `cost.cluster.HostShare`): a rank with nothing to do lends
+    its cores to the busy ones. 1 on devices and without a pipeline.
 
-    A rank computes in m of the schedule's m (1 + bubble) slots, each slot its stage's t
-    seconds and 2v transfers of x(t) = ``transfer(t)`` (`p2p_time` at that stage time; v the
-    interleave depth): busy fraction 1 / ((1 + bubble)(1 + 2v x(t) / t)), with t = ``stage_s``
-    (seconds per micro-batch with every rank busy) times the factor itself: a fixed point
-    (faster stages wait longer at each hand-off). Iterated from 1 the factor only falls, and it
-    is bounded below by the cores a rank can use (`cost.cluster.rank_share`), so the iteration
-    converges. Where the cores do not cap the speedup (f = busy), the slot t f + 2v x(t f)
-    equals t / (1 + bubble), and where they do it is larger: the hand-offs cost at least what
-    their idle cores lend (`autopar.search.bound` relies on it).
+    The schedule runs slot by slot (1F1B's order; other schedules priced with its slots): of
+    n = m v + p - 1 slots (m micro-batches, p stages, v chunks per rank), stage i computes in
+    slots i .. i + m v - 1, t_i / v seconds each (``stage_s``: seconds per micro-batch with
+    every rank busy), its R / p ranks in step with it (R the host's ranks: the data-parallel
+    pipelines fill and drain together). A slot's busy ranks share the C cores, each using at
+    most c = ``threads_per_rank``: with k busy, a rank computes min(c, C / k) / min(c, C / R)
+    times faster than with all busy, and a rank that finishes its share lends its cores to the
+    rest (processor sharing). The factor is the slots' summed length over n t* / v (t* the
+    slowest stage's t_i): where the fill and the drain leave cores idle, or a lighter stage
+    waits for the slowest, the slowest computes faster, but only as fast as c cores allow; and
+    a slot of lighter stages alone (the fill behind a light first stage) lasts as long as they
+    do, where the price's bubble counts every slot at t*.
 
-    Measured (`bench runtime`, 4 gloo ranks on 2 cores, three runs): PP4 1F1B (m=8) priced
-    0.67-0.73x its measured step, the layouts without a pipeline 0.69-0.83x; with the bubble
-    alone PP4 was priced 1.07x where those were 0.84-0.94x. PP2 x DP2 0.63-0.67x."""
-    if lay.pp == 1 or cluster.host_share is None:
+    Without ``stage_s``: the least factor any stage times give, the slowest stage's m v slots
+    at c cores and no bubble, (m v / n) min(c, C / R) / min(c, C) (the search's lower bound,
+    `autopar.search.bound`).
+
+    Measured (`python -m autopar bench runtime`, 4 gloo ranks on 2 cores): PP4's first rank
+    computes no faster than with every rank busy, and PP2 x DP2 measures 1.01-1.06x DP's step:
+    the bubble's idle cores spread evenly over every slot priced it 0.93-0.96x DP's (the
+    fastest layout), these slots 0.97-0.99x; PP4 measures 1.06-1.12x DP's, priced 1.15-1.22x.
+    """
+    share = cluster.host_share
+    if lay.pp == 1 or share is None:
         return 1.0
-    bubble = bubble_fraction(lay.schedule, lay.pp, lay.grad_accum, lay.virtual_stages)
-    handoffs = 2 * virtual_stages(lay)
-    factor = 1.0
-    for _ in range(200):
-        t = stage_s * factor
-        waiting = handoffs * transfer(t) / t if transfer is not None and t > 0 else 0.0
-        busy = 1.0 / ((1.0 + bubble) * (1.0 + waiting))
-        new = 1.0 / cluster.host_share.busy_speedup(cluster.gpus_per_node, busy)
-        if abs(new - factor) < 1e-9:
-            break
-        factor = new
-    return new
+    v, p, m = virtual_stages(lay), lay.pp, lay.grad_accum
+    slots = m * v + p - 1
+    ranks = max(cluster.gpus_per_node, p)
+    if stage_s is None:
+        return m * v / slots / share.busy_speedup(ranks, 1.0 / ranks)
+    times = [float(t) / v for t in stage_s]
+    slowest = max(times)
+    if slowest <= 0.0:
+        return 1.0
+    per_stage = ranks // p
+    total = 0.0
+    for slot in range(slots):
+        busy = sorted(t for i, t in enumerate(times) if i <= slot < i + m * v and t > 0.0)
+        total += _shared_makespan(busy, per_stage, ranks, share.busy_speedup)
+    return total / (slots * slowest)
+
+
+def _shared_makespan(work_s: list[float], per_stage: int, ranks: int,
+                     speedup: Callable[[int, float], float]) -> float:
+    """Seconds until stages of ``work_s`` all-busy seconds each (ascending, ``per_stage`` ranks
+    apiece) finish when the busy ranks share the host's cores (``speedup``:
+    `HostShare.busy_speedup`): each stretch runs at the speed of the ranks still busy."""
+    elapsed, done = 0.0, 0.0
+    for k, work in enumerate(work_s):
+        busy = (len(work_s) - k) * per_stage
+        elapsed += (work - done) / speedup(ranks, busy / ranks)
+        done = work
+    return elapsed
 
 
 def loss_broadcast(cluster: Cluster, lay: Layout) -> float:

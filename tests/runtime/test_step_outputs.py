@@ -4,8 +4,9 @@ A forward returning ``(loss, logits)``, a dict (with a None field and a scalar m
 transformers ModelOutput: ``pm(*batch)`` gives back the same structure, the step's loss in the
 loss's place (equal to one device's on the whole batch), every other tensor equal to one
 device's on this rank's slice of the batch (DDP's semantics; whole logits under TP), the
-micro-batches' values concatenated (a float scalar averaged, an int32 count summed, each in
-its dtype), under a pipeline on every rank;
+micro-batches' values concatenated, a float mean over the batch and a weight's norm averaged,
+a float sum over the batch and an int32 count summed, each in its dtype, under a pipeline on
+every rank;
 gradients and SGD updates as on one device (only the loss is differentiated). Layouts
 dp=2 x grad_accum=2, tp=2 and pp=2 x grad_accum=2 on two gloo ranks (one spawn).
 """
@@ -41,7 +42,9 @@ class Own(nn.Module):
         energy = logits.pow(2).mean()  # a scalar metric (argmax over TP-sharded logits is refused)
         count = (logits > 0).sum().to(torch.int32)  # an int32 count: summed, kept int32
         return {"logits": logits, "loss": loss, "past": None, "energy": energy,
-                "hidden": self.emb(ids) * 2, "count": count}
+                "hidden": self.emb(ids) * 2, "count": count,
+                "total": logits.pow(2).sum(),  # a float sum over the batch: summed
+                "norm": self.head.weight.norm()}  # no batch in it: alike in every micro-batch
 
 
 def _batch(rows: int = 8, seq: int = 6):

@@ -1,10 +1,13 @@
 """The forward's other outputs: which join over grad_accum micro-batches, what comes back.
 
-In process (no ranks): `check_mergeable` refuses an output whose dim 0 is not the batch (a
-feature statistic, also one whose length happens to equal the micro-batch) and a 0-dim bool,
-and passes per-sample tensors with float and integer scalars (zoo tiny-llama and a plain
-model); `merge_micro_batches` keeps each value's dtype; a non-constant leaf (transformers'
-DynamicCache) comes back as None with a warning; ``(logits, loss)`` is refused naming the order.
+In process (no ranks): `output_joins` refuses an output whose dim 0 is not the batch (a
+feature statistic, also one whose length happens to equal the micro-batch), a 0-dim bool, and a
+0-dim value that is neither a mean nor a sum over the batch (a ratio of batch sums, a max over
+the batch); it concatenates per-sample tensors, averages means and values the batch does not
+enter, sums sums, float or integer (zoo tiny-llama and a plain model); the joins give the
+whole batch's value; `merge_micro_batches` keeps each value's dtype; a non-constant leaf
+(transformers' DynamicCache) comes back as None with a warning; ``(logits, loss)`` is refused
+naming the order.
 """
 
 import pytest
@@ -15,8 +18,10 @@ from torch import nn
 from autopar import models
 from autopar.capture.graph import OutputTree
 from autopar.capture.joint import capture
-from autopar.capture.outputs import check_mergeable
+from autopar.capture.outputs import output_joins
 from autopar.errors import CaptureError, InputError
+from autopar.execution.rewrite import captured_signature
+from passes.loss_reduction import analyze_loss, for_layout
 from runtime.executor import merge_micro_batches
 
 V = 16
@@ -41,8 +46,15 @@ class Stats(nn.Module):
             return loss, h.mean((0, 1))  # [hidden]: dim 0 is no batch
         if self.kind == "flag":
             return loss, torch.isfinite(z).all()
+        right = (z.argmax(-1) == labels).float()
+        if self.kind == "ratio":  # accuracy over the labels that are not 0: N / D of batch sums
+            keep = (labels != 0).float()
+            return loss, (right * keep).sum() / keep.sum()
+        if self.kind == "max":
+            return loss, z.amax()
         count = (z > 0).sum().to(torch.int32)
-        return {"loss": loss, "logits": z, "count": count, "acc": (z.argmax(-1) == labels).float().mean()}
+        return {"loss": loss, "logits": z, "count": count, "acc": right.mean(), "correct": right.sum(),
+                "norm": self.head.weight.norm(), "twice": loss.detach() * 2}
 
 
 class ZooWithLogits(nn.Module):
@@ -63,15 +75,41 @@ def _batch(rows: int, seq: int = 6, vocab: int = V):
     return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)
 
 
-def _check(model: nn.Module, rows: int, m: int, vocab: int = V) -> None:
+def _joins(model: nn.Module, micro: tuple, whole: tuple, m: int) -> list[str]:
+    """`output_joins` as `parallelize` calls it: with the loss's normalisers that the runtime
+    feeds step-wide (a cross-entropy's count of labels)."""
+    graph = capture(model, micro)
+    signature = captured_signature(graph)
+    reduction = for_layout(analyze_loss(graph.gm, signature), tp=1, pp=1)
+    fed = frozenset(reduction.denominators) if reduction.mode == "global" else frozenset()
+    return output_joins(model, graph, signature, micro, whole, None, m, fed=fed)
+
+
+def _check(model: nn.Module, rows: int, m: int, vocab: int = V) -> list[str]:
     whole = _batch(rows, vocab=vocab)
-    micro = tuple(x[: rows // m] for x in whole)
-    check_mergeable(model, capture(model, micro), micro, whole, None, m)
+    return _joins(model, tuple(x[: rows // m] for x in whole), whole, m)
 
 
 def test_per_sample_outputs_and_scalars_join():
-    _check(Stats("dict"), rows=4, m=2)
-    _check(ZooWithLogits(stat=False), rows=4, m=2, vocab=128)
+    # logits, count (an int sum), acc (a mean), correct (a float sum), norm (no batch in it),
+    # twice the loss (a mean)
+    assert _check(Stats("dict"), rows=4, m=2) == ["cat", "sum", "mean", "sum", "mean", "mean"]
+    assert _check(ZooWithLogits(stat=False), rows=4, m=2, vocab=128) == ["cat", "mean"]
+
+
+def test_the_joins_give_the_whole_batch_values():
+    """Each micro-batch's outputs joined as `output_joins` says equal the whole batch's."""
+    model, rows, m = Stats("dict"), 8, 4
+    whole = _batch(rows)
+    micro = [tuple(x[k * rows // m:(k + 1) * rows // m] for x in whole) for k in range(m)]
+    joins = _joins(model, micro[0], whole, m)
+    names = ["logits", "count", "acc", "correct", "norm", "twice"]
+    with torch.no_grad():
+        parts = [[model(*x)[n] for n in names] for x in micro]
+        expected = model(*whole)
+    for name, joined in zip(names, merge_micro_batches(parts, joins)):
+        assert joined.dtype == expected[name].dtype
+        torch.testing.assert_close(joined, expected[name], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("make, rows, what", [
@@ -80,6 +118,9 @@ def test_per_sample_outputs_and_scalars_join():
     (lambda: Stats("feature_stat", hidden=2), 4, "output[1], of shape [2]"),
     (lambda: Stats("flag"), 4, "output[1], a 0-dim bool"),
     (lambda: ZooWithLogits(stat=True), 4, "output[2], of shape [6]"),
+    (lambda: Stats("ratio"), 4, "output[1], a 0-dim value not proven a mean or a sum over the "
+                                "batch: a ratio of sums over the batch"),
+    (lambda: Stats("max"), 4, "output[1], a 0-dim value not proven a mean or a sum over the batch"),
 ])
 def test_outputs_that_do_not_join_are_refused(make, rows, what):
     model = make()
@@ -93,12 +134,15 @@ def test_outputs_that_do_not_join_are_refused(make, rows, what):
 def test_merge_keeps_dtypes():
     parts = [[torch.tensor(3, dtype=torch.int32), torch.tensor(1.5, dtype=torch.bfloat16), torch.ones(1, 2)],
              [torch.tensor(4, dtype=torch.int32), torch.tensor(2.5, dtype=torch.bfloat16), torch.zeros(1, 2)]]
-    count, mean, rows = merge_micro_batches(parts)
+    count, mean, rows = merge_micro_batches(parts, ["sum", "mean", "cat"])
     assert count.dtype == torch.int32 and int(count) == 7
     assert mean.dtype == torch.bfloat16 and float(mean) == 2.0
     assert rows.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    total, alike = merge_micro_batches([[torch.tensor(1.5), torch.tensor(3)], [torch.tensor(2.0), torch.tensor(3)]],
+                                       ["sum", "mean"])
+    assert float(total) == 3.5 and alike.dtype == torch.int64 and int(alike) == 3
     with pytest.raises(ValueError, match="bool"):
-        merge_micro_batches([[torch.tensor(True)], [torch.tensor(False)]])
+        merge_micro_batches([[torch.tensor(True)], [torch.tensor(False)]], ["sum"])
 
 
 def test_non_constant_leaves_come_back_as_none():
