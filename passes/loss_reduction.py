@@ -231,11 +231,14 @@ def output_join(gm: fx.GraphModule, signature: GraphSignature, node: fx.Node,
     metric, an auxiliary loss, a count) joins over the step's micro-batches, each of the same
     rows: mode "mean" for a mean over the batch (kind A) or a value the batch does not enter (U:
     every micro-batch computes the same), "sum" for a sum over it (E: a count, a summed loss).
-    A ratio of batch sums averages only where each of its denominators is one of ``fed``, the
-    loss's normalisers that `rewrite_denominators` replaces by the step's (D / P in every piece:
-    the pieces' c N_k P / D average to c N / D; a copy of a cross-entropy loss). "unproven"
-    otherwise, with why: a ratio of other batch sums (N_k / D_k do not average to N / D), a max
-    over the batch, a value not reduced over it. ``rows_proven``: as for `analyze_loss`."""
+    A ratio of batch sums averages where each of its denominators is one of ``fed``, the loss's
+    normalisers that `rewrite_denominators` replaces by the step's (D / P in every piece: the
+    pieces' c N_k P / D average to c N / D; a copy of a cross-entropy loss); a ratio L = N / D + U
+    over one other data-only denominator is mode "ratio", with the counter of D: the pieces'
+    values weighted by D_k / D add up to it (sum_k (D_k / D)(N_k / D_k + U) = N / D + U; an
+    accuracy over the labels a mask keeps). "unproven" otherwise, with why: several
+    denominators or a mean beside a ratio, a max over the batch, a value not reduced over it.
+    ``rows_proven``: as for `analyze_loss`."""
     k = _kind_of(gm, signature, node, rows_proven)
     if k.kind == "X":
         return LossReduction("unproven", why=k.why, node=k.node)
@@ -243,9 +246,15 @@ def output_join(gm: fx.GraphModule, signature: GraphSignature, node: fx.Node,
         return LossReduction("sum")
     if k.kind == "U" or (k.kind == "A" and set(k.dens) <= fed):
         return LossReduction("mean")
+    dens = list(dict.fromkeys(k.dens))
+    if k.kind == "A" and len(dens) == 1 and not k.means:
+        counter = _counter(gm, dens, dict(zip(signature.placeholders, signature.inputs)))
+        if isinstance(counter, str):
+            return LossReduction("unproven", why=counter, node=dens[0])
+        return LossReduction("ratio", counter=counter, denominators=dens)
     if k.kind == "A":
-        return LossReduction("unproven", node=node, why="a ratio of sums over the batch: the "
-                             "micro-batches' ratios do not average to the batch's")
+        return LossReduction("unproven", node=node, why="a mean beside a ratio of sums over the "
+                             "batch, or ratios of several: no weights of the micro-batches give it")
     return LossReduction("unproven", why="not reduced over the batch", node=node)
 
 

@@ -49,7 +49,7 @@ from runtime.pipeline import (
     reduce_experts,
     run_pipeline_step,
 )
-from vocab.plan_types import LOSS
+from vocab.plan_types import LOSS, OutputJoin
 
 # the loss's normalisers over the whole step (`passes.loss_reduction.DENOMINATOR`)
 DENOMINATOR = "denominator"
@@ -84,9 +84,9 @@ class RankGraph:
     pipeline: PipelinePlan | None = None
     # outputs of the forward other than the loss (logits, a dict's fields): their output
     # indices, returned after the loss (`merge_micro_batches`), not differentiated, and how
-    # each joins over the micro-batches ("cat", "mean", "sum": `join_micro_batches`)
+    # each joins over the micro-batches (`join_micro_batches`)
     other_index: list[int] = field(default_factory=list)
-    other_join: list[str] = field(default_factory=list)
+    other_join: list[OutputJoin] = field(default_factory=list)
 
 
 class _JointStep(torch.autograd.Function):
@@ -101,6 +101,8 @@ class _JointStep(torch.autograd.Function):
         dtype = next((h.meta["val"].dtype for h, (kind, _) in zip(holders, rank_graph.inputs)
                       if kind == "tangent"), torch.float32)
         weights, denominators = _seeds(rank_graph, user_inputs, buffers, device)
+        # read before the step: the micro-batches update buffers in place
+        shares = ratio_shares(rank_graph.other_join, user_inputs, buffers, m)
         seeds = [torch.full((), s, dtype=dtype, device=device) for s in weights]
         loss = None
         sums: dict[str, torch.Tensor] = {}
@@ -142,7 +144,7 @@ class _JointStep(torch.autograd.Function):
             loss = part if loss is None else loss + part
             others.append([out[i] for i in rank_graph.other_index])
         _save_grads(ctx, _as_parameters(sums, names, params))
-        return _with_others(ctx, loss, merge_micro_batches(others, rank_graph.other_join))
+        return _with_others(ctx, loss, merge_micro_batches(others, rank_graph.other_join, shares))
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_others):
@@ -176,9 +178,11 @@ class _PipelineStep(torch.autograd.Function):
             else:
                 local[name] = gather_rows(t, dp, group) if name in sharded else t
         seeds, denominators = _seeds(rank_graph, user_inputs, buffers, user_inputs[0].device)
+        joins = rank_graph.other_join
+        shares = ratio_shares(joins, user_inputs, buffers, rank_graph.micro_batches)
         loss, grads, others = run_pipeline_step(plan, local, buffers, user_inputs, seeds,
                                                 merge=lambda values, k: join_micro_batches(
-                                                    values, rank_graph.other_join[k]),
+                                                    values, joins[k].how, shares.get(k)),
                                                 denominators=() if denominators is None else denominators)
         if dp > 1:
             rank = torch.distributed.get_rank(group)
@@ -195,29 +199,49 @@ class _PipelineStep(torch.autograd.Function):
     backward = staticmethod(_JointStep.backward)
 
 
-def merge_micro_batches(others: list[list[torch.Tensor]], joins: list[str]) -> list[torch.Tensor]:
+def merge_micro_batches(others: list[list[torch.Tensor]], joins: list[OutputJoin],
+                        shares: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The forward's other outputs over the step's micro-batches (one list per micro-batch),
-    each joined by its entry of ``joins`` (`join_micro_batches`)."""
+    each joined by its entry of ``joins`` (`join_micro_batches`; ``shares``: `ratio_shares`)."""
     if len(others) == 1:
         return list(others[0])
-    return [join_micro_batches(list(values), join) for values, join in zip(zip(*others), joins)]
+    shares = shares or {}
+    return [join_micro_batches(list(values), join.how, shares.get(k))
+            for k, (values, join) in enumerate(zip(zip(*others), joins))]
 
 
-def join_micro_batches(values: list[torch.Tensor], join: str) -> torch.Tensor:
+def ratio_shares(joins: list[OutputJoin], user_inputs: tuple, buffers: dict, m: int) -> dict[int, torch.Tensor]:
+    """Per output joined as a "ratio": each micro-batch's denominator D_k (float64), its join's
+    counter run on the micro-batch's rows of the user inputs."""
+    if m == 1:
+        return {}
+    return {k: torch.stack([join.counter(tuple(x.chunk(m)[i] for x in user_inputs), buffers)[0]
+                            for i in range(m)])
+            for k, join in enumerate(joins) if join.how == "ratio"}
+
+
+def join_micro_batches(values: list[torch.Tensor], how: str,
+                       denominators: torch.Tensor | None = None) -> torch.Tensor:
     """One output's values over the step's micro-batches, in its own dtype: "cat" concatenated
     on dim 0 (the batch), "mean" averaged (a mean over equally many samples per micro-batch, or
-    a value every micro-batch computes alike), "sum" summed (a count, a sum over the batch), as
-    the planner proved (`autopar.capture.outputs.output_joins`, which refuses the rest)."""
+    a value every micro-batch computes alike), "sum" summed (a count, a sum over the batch),
+    "ratio" N / D weighted by each micro-batch's D_k / D (``denominators``: the D_k; a
+    micro-batch with D_k = 0 adds nothing, as its rows add nothing to N and D), as the planner
+    proved (`autopar.capture.outputs.output_joins`, which refuses the rest)."""
     first = values[0]
     if len(values) == 1:
         return first
-    if join == "cat":
+    if how == "cat":
         return torch.cat(values, dim=0)
-    if first.dtype == torch.bool or join not in ("mean", "sum"):
-        raise ValueError(f"no {join!r} join of a {first.dtype} output over micro-batches")
+    if first.dtype == torch.bool or how not in ("mean", "sum", "ratio"):
+        raise ValueError(f"no {how!r} join of a {first.dtype} output over micro-batches")
     stacked = torch.stack(values)
-    if join == "sum":
+    if how == "sum":
         return stacked.sum(0).to(first.dtype)
+    if how == "ratio":
+        d = denominators.to(device=stacked.device, dtype=torch.float64)
+        parts = torch.where(d > 0, d * stacked.to(torch.float64), torch.zeros_like(d))
+        return (parts.sum() / d.sum()).to(first.dtype)
     if first.is_floating_point() or first.is_complex():
         return stacked.mean(0)
     return stacked.double().mean(0).to(first.dtype)  # an integer alike in every micro-batch

@@ -392,6 +392,18 @@ class GraphSignature:
         return {name: node for (k, name), node in zip(self.inputs, self.placeholders) if k == kind}
 
 
+@dataclass(frozen=True)
+class OutputJoin:
+    """How one of the forward's other outputs joins over a step's micro-batches
+    (`autopar.capture.outputs.output_joins` decides, `runtime.executor.join_micro_batches` runs):
+    how "cat" (dim 0, the batch), "mean", "sum" or "ratio" (N / D of batch sums: the
+    micro-batches' values weighted by their D_k / D); counter: for "ratio", the callable giving
+    a micro-batch's D from its user inputs and buffers (`passes.loss_reduction.Counter`)."""
+
+    how: str
+    counter: object = None
+
+
 # The pipeline split (passes/pipeline_split.py) as the runtime (runtime/pipeline.py) runs it.
 
 @dataclass(frozen=True)

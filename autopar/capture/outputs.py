@@ -1,14 +1,15 @@
 """How each of the forward's other outputs joins over gradient-accumulation micro-batches.
 
 The executor runs the step captured for one micro-batch ``m`` times and joins each other output
-(`runtime.executor.join_micro_batches`) as `output_joins` decided: a per-sample tensor is
-concatenated on dim 0 ("cat"); a 0-dim value (a metric, an auxiliary loss, a count) averaged
-("mean": a mean over the batch, or a value the batch does not enter; micro-batches hold equally
-many samples) or summed ("sum": a sum over the batch), each in its own dtype, as
-`passes.loss_reduction.output_join` proves on the captured graph. A tensor is exact only where
-dim 0 is the batch, proven from the shapes (dim 0 is the micro-batch's batch and grows
-``m``-fold when the forward sees the ``m`` micro-batches at once). The rest (a ratio of batch
-sums, a max over the batch, a 0-dim bool, a feature statistic) is refused before the step runs.
+(`runtime.executor.join_micro_batches`) as `output_joins` decided (`vocab.plan_types.OutputJoin`):
+a per-sample tensor is concatenated on dim 0 ("cat"); a 0-dim value (a metric, an auxiliary
+loss, a count) averaged ("mean": a mean over the batch, or a value the batch does not enter;
+micro-batches hold equally many samples), summed ("sum": a sum over the batch) or weighted by
+each micro-batch's share of its denominator ("ratio": N / D of batch sums), each in its own
+dtype, as `passes.loss_reduction.output_join` proves on the captured graph. A tensor is exact
+only where dim 0 is the batch, proven from the shapes (dim 0 is the micro-batch's batch and
+grows ``m``-fold when the forward sees the ``m`` micro-batches at once). The rest (a max over
+the batch, a 0-dim bool, a feature statistic) is refused before the step runs.
 """
 
 from __future__ import annotations
@@ -21,29 +22,29 @@ from torch import nn
 from autopar.capture.graph import TrainingGraph
 from autopar.errors import InputError
 from passes.loss_reduction import ONE_ROW, LossReduction, output_join
-from vocab.plan_types import GraphSignature
+from vocab.plan_types import GraphSignature, OutputJoin
 
 
 def output_joins(model: nn.Module, graph: TrainingGraph, signature: GraphSignature,
                  micro_inputs: Sequence[torch.Tensor], local_inputs: Sequence[torch.Tensor],
                  loss_fn: Callable | None, m: int,
                  two_rows: Callable[[], tuple[TrainingGraph, GraphSignature]] | None = None,
-                 fed: frozenset = frozenset()) -> list[str]:
-    """The join of each other output over ``m`` micro-batches ("cat", "mean" or "sum", in
-    `OutputTree` order; "cat" for every output when ``m`` = 1: nothing is joined), or
-    `InputError` naming each output no join makes exact: a 0-dim bool (no sum or mean of flags is
-    the step's flag), a 0-dim value `passes.loss_reduction.output_join` does not prove a mean or
-    a sum over the batch (with its reason and source line), or a tensor whose dim 0 is not the
-    batch (its shape for ``local_inputs``, the ``m`` micro-batches at once, is not its shape for
-    ``micro_inputs`` with dim 0 times ``m``, or dim 0 is not the micro-batch's size). At one row
-    per micro-batch an op along dim 0 is proven on the step captured at two rows (``two_rows``),
-    as for the loss; ``fed``: the loss's normalisers the runtime feeds step-wide (a ratio over
-    them averages exactly)."""
+                 fed: frozenset = frozenset()) -> list[OutputJoin]:
+    """The join of each other output over ``m`` micro-batches (in `OutputTree` order; when
+    ``m`` = 1 nothing is joined: "cat" for a tensor, "mean" for a 0-dim value), or `InputError`
+    naming each output no join makes exact: a 0-dim bool (no sum or mean of flags is the step's
+    flag), a 0-dim value `passes.loss_reduction.output_join` does not prove a mean, a sum or a
+    ratio of sums over the batch (with its reason and source line), or a tensor whose dim 0 is
+    not the batch (its shape for ``local_inputs``, the ``m`` micro-batches at once, is not its
+    shape for ``micro_inputs`` with dim 0 times ``m``, or dim 0 is not the micro-batch's size).
+    At one row per micro-batch an op along dim 0 is proven on the step captured at two rows
+    (``two_rows``), as for the loss; ``fed``: the loss's normalisers the runtime feeds step-wide
+    (a ratio over them averages exactly)."""
     tree = graph.output_tree
     if tree is None or not tree.tensor_leaves:
         return []
     micro = _captured_others(graph)
-    joins = ["cat" if v.dim() > 0 else "mean" for v in micro]
+    joins = [OutputJoin("cat" if v.dim() > 0 else "mean") for v in micro]
     if m == 1:
         return joins
     bad = [(k, "a 0-dim bool") for k, v in enumerate(micro) if v.dim() == 0 and v.dtype == torch.bool]
@@ -51,9 +52,9 @@ def output_joins(model: nn.Module, graph: TrainingGraph, signature: GraphSignatu
         if v.dim() == 0 and v.dtype != torch.bool:
             found = _scalar_join(graph, signature, k, two_rows, fed)
             if found.mode == "unproven":
-                bad.append((k, f"a 0-dim value not proven a mean or a sum over the batch: {found.why} "
-                                f"({found.where() or 'in the forward'})"))
-            joins[k] = found.mode
+                bad.append((k, f"a 0-dim value not proven a mean, a sum or a ratio of sums over the "
+                                f"batch: {found.why} ({found.where() or 'in the forward'})"))
+            joins[k] = OutputJoin(found.mode, found.counter)
     shaped = [k for k, v in enumerate(micro) if v.dim() > 0]
     if shaped:
         from autopar.capture.joint import other_outputs_at
@@ -69,8 +70,8 @@ def output_joins(model: nn.Module, graph: TrainingGraph, signature: GraphSignatu
         raise InputError(
             f"grad_accum={m} joins the forward's other outputs over the micro-batches, which is not "
             f"exact for: {what}.\n  fix: return such a value per sample (dim 0 the batch), or as a "
-            "mean or a sum over the batch (a ratio as its numerator and denominator sums, divided "
-            "after the step), or drop it from the output (return the loss only), or use grad_accum=1")
+            "mean or a sum over the batch (several ratios as their sums, divided after the step), "
+            "or drop it from the output (return the loss only), or use grad_accum=1")
     return joins
 
 

@@ -96,7 +96,7 @@ from passes.loss_reduction import ONE_ROW, LossReduction, analyze_loss, for_layo
 from runtime.executor import RankGraph
 from runtime.mesh import dp_cp_mesh, expert_mesh, stacked_expert_mesh
 from vocab.layout import unsupported_decisions
-from vocab.plan_types import GraphSignature
+from vocab.plan_types import GraphSignature, OutputJoin
 
 
 class LossReductionError(InputError):
@@ -242,7 +242,7 @@ def parallelize(
                           loss_fn=loss_fn, output_tree=graph.output_tree)
 
 
-def _rank_graph(state: RankRewrite, joins: list[str]) -> RankGraph:
+def _rank_graph(state: RankRewrite, joins: list[OutputJoin]) -> RankGraph:
     """What the executor runs on this rank: the rewritten graph, what feeds it and reads it
     (``joins``: how each other output joins over the micro-batches, `output_joins`)."""
     lay, signature = state.layout, state.signature

@@ -5,8 +5,8 @@ transformers ModelOutput: ``pm(*batch)`` gives back the same structure, the step
 loss's place (equal to one device's on the whole batch), every other tensor equal to one
 device's on this rank's slice of the batch (DDP's semantics; whole logits under TP), the
 micro-batches' values concatenated, a float mean over the batch and a weight's norm averaged,
-a float sum over the batch and an int32 count summed, each in its dtype, under a pipeline on
-every rank;
+a float sum over the batch and an int32 count summed, a loss over the labels a mask keeps
+weighted by each micro-batch's kept labels, each in its dtype, under a pipeline on every rank;
 gradients and SGD updates as on one device (only the loss is differentiated). Layouts
 dp=2 x grad_accum=2, tp=2 and pp=2 x grad_accum=2 on two gloo ranks (one spawn).
 """
@@ -44,12 +44,23 @@ class Own(nn.Module):
         return {"logits": logits, "loss": loss, "past": None, "energy": energy,
                 "hidden": self.emb(ids) * 2, "count": count,
                 "total": logits.pow(2).sum(),  # a float sum over the batch: summed
-                "norm": self.head.weight.norm()}  # no batch in it: alike in every micro-batch
+                "norm": self.head.weight.norm(),  # no batch in it: alike in every micro-batch
+                "masked": self._masked_loss(logits, labels)}
+
+    @staticmethod
+    def _masked_loss(logits, labels):
+        """The cross-entropy over the labels that are not 0: a ratio of batch sums, its
+        micro-batches weighted by their kept labels (`_batch` keeps fewer in the first rows)."""
+        keep = (labels != 0).float()
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        return (per_token * keep.flatten()).sum() / keep.sum()
 
 
 def _batch(rows: int = 8, seq: int = 6):
     g = torch.Generator().manual_seed(7)
-    return torch.randint(0, V, (rows, seq), generator=g), torch.randint(0, V, (rows, seq), generator=g)
+    ids, labels = torch.randint(0, V, (rows, seq), generator=g), torch.randint(0, V, (rows, seq), generator=g)
+    labels[:2, :4] = 0  # the first micro-batch keeps fewer labels than the others
+    return ids, labels
 
 
 def _same_outputs(out, ref_slice, ref_loss, loss_leaf: int, label) -> list[tuple]:

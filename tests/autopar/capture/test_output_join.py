@@ -2,10 +2,10 @@
 
 In process (no ranks): `output_joins` refuses an output whose dim 0 is not the batch (a
 feature statistic, also one whose length happens to equal the micro-batch), a 0-dim bool, and a
-0-dim value that is neither a mean nor a sum over the batch (a ratio of batch sums, a max over
-the batch); it concatenates per-sample tensors, averages means and values the batch does not
-enter, sums sums, float or integer (zoo tiny-llama and a plain model); the joins give the
-whole batch's value; `merge_micro_batches` keeps each value's dtype; a non-constant leaf
+0-dim value that is no mean, sum or single ratio of sums over the batch (a max over the batch, a
+mean beside a ratio); it concatenates per-sample tensors, averages means and values the batch
+does not enter, sums sums, float or integer, and weights a ratio's micro-batches by their share
+of its denominator (zoo tiny-llama and a plain model); the joins give the whole batch's value; `merge_micro_batches` keeps each value's dtype; a non-constant leaf
 (transformers' DynamicCache) comes back as None with a warning; ``(logits, loss)`` is refused
 naming the order.
 """
@@ -22,7 +22,8 @@ from autopar.capture.outputs import output_joins
 from autopar.errors import CaptureError, InputError
 from autopar.execution.rewrite import captured_signature
 from passes.loss_reduction import analyze_loss, for_layout
-from runtime.executor import merge_micro_batches
+from runtime.executor import join_micro_batches, merge_micro_batches, ratio_shares
+from vocab.plan_types import OutputJoin
 
 V = 16
 
@@ -47,14 +48,15 @@ class Stats(nn.Module):
         if self.kind == "flag":
             return loss, torch.isfinite(z).all()
         right = (z.argmax(-1) == labels).float()
-        if self.kind == "ratio":  # accuracy over the labels that are not 0: N / D of batch sums
-            keep = (labels != 0).float()
-            return loss, (right * keep).sum() / keep.sum()
+        keep = (labels != 0).float()
+        masked = (right * keep).sum() / keep.sum()  # accuracy over the labels that are not 0
+        if self.kind == "mean_and_ratio":
+            return loss, right.mean() + masked
         if self.kind == "max":
             return loss, z.amax()
         count = (z > 0).sum().to(torch.int32)
         return {"loss": loss, "logits": z, "count": count, "acc": right.mean(), "correct": right.sum(),
-                "norm": self.head.weight.norm(), "twice": loss.detach() * 2}
+                "norm": self.head.weight.norm(), "twice": loss.detach() * 2, "masked": masked}
 
 
 class ZooWithLogits(nn.Module):
@@ -92,22 +94,33 @@ def _check(model: nn.Module, rows: int, m: int, vocab: int = V) -> list[str]:
 
 def test_per_sample_outputs_and_scalars_join():
     # logits, count (an int sum), acc (a mean), correct (a float sum), norm (no batch in it),
-    # twice the loss (a mean)
-    assert _check(Stats("dict"), rows=4, m=2) == ["cat", "sum", "mean", "sum", "mean", "mean"]
-    assert _check(ZooWithLogits(stat=False), rows=4, m=2, vocab=128) == ["cat", "mean"]
+    # twice the loss (over the cross-entropy's count, which the runtime feeds step-wide: a
+    # mean), masked (a ratio over its own count)
+    joins = _check(Stats("dict"), rows=4, m=2)
+    assert [j.how for j in joins] == ["cat", "sum", "mean", "sum", "mean", "mean", "ratio"]
+    assert joins[-1].counter is not None
+    assert [j.how for j in _check(ZooWithLogits(stat=False), rows=4, m=2, vocab=128)] == ["cat", "mean"]
 
 
 def test_the_joins_give_the_whole_batch_values():
-    """Each micro-batch's outputs joined as `output_joins` says equal the whole batch's."""
+    """Each micro-batch's outputs joined as `output_joins` says equal the whole batch's (the
+    masked accuracy's micro-batches keep 0-6 labels of 12: their plain mean is not the batch's)."""
     model, rows, m = Stats("dict"), 8, 4
-    whole = _batch(rows)
+    ids, labels = _batch(rows)
+    labels[:2] = 0  # the first micro-batch keeps no label: 0 / 0 there, weighted by 0
+    labels[2:4, :3] = 0
+    whole = (ids, labels)
     micro = [tuple(x[k * rows // m:(k + 1) * rows // m] for x in whole) for k in range(m)]
     joins = _joins(model, micro[0], whole, m)
-    names = ["logits", "count", "acc", "correct", "norm", "twice"]
+    names = ["logits", "count", "acc", "correct", "norm", "twice", "masked"]
     with torch.no_grad():
         parts = [[model(*x)[n] for n in names] for x in micro]
         expected = model(*whole)
-    for name, joined in zip(names, merge_micro_batches(parts, joins)):
+    assert torch.isnan(parts[0][-1])
+    mean_of_parts = torch.stack([p[-1] for p in parts[1:]]).mean()
+    assert not torch.isclose(mean_of_parts, expected["masked"])
+    shares = ratio_shares(joins, whole, {}, m)
+    for name, joined in zip(names, merge_micro_batches(parts, joins, shares)):
         assert joined.dtype == expected[name].dtype
         torch.testing.assert_close(joined, expected[name], rtol=1e-6, atol=1e-6)
 
@@ -118,9 +131,9 @@ def test_the_joins_give_the_whole_batch_values():
     (lambda: Stats("feature_stat", hidden=2), 4, "output[1], of shape [2]"),
     (lambda: Stats("flag"), 4, "output[1], a 0-dim bool"),
     (lambda: ZooWithLogits(stat=True), 4, "output[2], of shape [6]"),
-    (lambda: Stats("ratio"), 4, "output[1], a 0-dim value not proven a mean or a sum over the "
-                                "batch: a ratio of sums over the batch"),
-    (lambda: Stats("max"), 4, "output[1], a 0-dim value not proven a mean or a sum over the batch"),
+    (lambda: Stats("mean_and_ratio"), 4, "output[1], a 0-dim value not proven a mean, a sum or "
+                                         "a ratio of sums over the batch: a mean beside a ratio"),
+    (lambda: Stats("max"), 4, "output[1], a 0-dim value not proven a mean, a sum or a ratio"),
 ])
 def test_outputs_that_do_not_join_are_refused(make, rows, what):
     model = make()
@@ -134,15 +147,19 @@ def test_outputs_that_do_not_join_are_refused(make, rows, what):
 def test_merge_keeps_dtypes():
     parts = [[torch.tensor(3, dtype=torch.int32), torch.tensor(1.5, dtype=torch.bfloat16), torch.ones(1, 2)],
              [torch.tensor(4, dtype=torch.int32), torch.tensor(2.5, dtype=torch.bfloat16), torch.zeros(1, 2)]]
-    count, mean, rows = merge_micro_batches(parts, ["sum", "mean", "cat"])
+    count, mean, rows = merge_micro_batches(parts, [OutputJoin(h) for h in ("sum", "mean", "cat")])
     assert count.dtype == torch.int32 and int(count) == 7
     assert mean.dtype == torch.bfloat16 and float(mean) == 2.0
     assert rows.tolist() == [[1.0, 1.0], [0.0, 0.0]]
     total, alike = merge_micro_batches([[torch.tensor(1.5), torch.tensor(3)], [torch.tensor(2.0), torch.tensor(3)]],
-                                       ["sum", "mean"])
+                                       [OutputJoin("sum"), OutputJoin("mean")])
     assert float(total) == 3.5 and alike.dtype == torch.int64 and int(alike) == 3
+    # 1/2 over 2 kept, 3/4 over 4: 4 of 6
+    ratio = join_micro_batches([torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.75, dtype=torch.bfloat16)],
+                               "ratio", torch.tensor([2.0, 4.0], dtype=torch.float64))
+    assert ratio.dtype == torch.bfloat16 and float(ratio) == pytest.approx(4 / 6, rel=1e-2)
     with pytest.raises(ValueError, match="bool"):
-        merge_micro_batches([[torch.tensor(True)], [torch.tensor(False)]], ["sum"])
+        merge_micro_batches([[torch.tensor(True)], [torch.tensor(False)]], [OutputJoin("sum")])
 
 
 def test_non_constant_leaves_come_back_as_none():
