@@ -233,7 +233,8 @@ def output_join(gm: fx.GraphModule, signature: GraphSignature, node: fx.Node,
     every micro-batch computes the same), "sum" for a sum over it (E: a count, a summed loss).
     A ratio of batch sums averages where each of its denominators is one of ``fed``, the loss's
     normalisers that `rewrite_denominators` replaces by the step's (D / P in every piece: the
-    pieces' c N_k P / D average to c N / D; a copy of a cross-entropy loss); a ratio L = N / D + U
+    pieces' c N_k P / D average to c N / D over all P = d m pieces, so over the d data-parallel
+    ranks too: the mode's denominators name them; a copy of a cross-entropy loss); a ratio L = N / D + U
     over one other data-only denominator is mode "ratio", with the counter of D: the pieces'
     values weighted by D_k / D add up to it (sum_k (D_k / D)(N_k / D_k + U) = N / D + U; an
     accuracy over the labels a mask keeps). "unproven" otherwise, with why: several
@@ -244,9 +245,9 @@ def output_join(gm: fx.GraphModule, signature: GraphSignature, node: fx.Node,
         return LossReduction("unproven", why=k.why, node=k.node)
     if k.kind == "E":
         return LossReduction("sum")
-    if k.kind == "U" or (k.kind == "A" and set(k.dens) <= fed):
-        return LossReduction("mean")
     dens = list(dict.fromkeys(k.dens))
+    if k.kind == "U" or (k.kind == "A" and set(dens) <= fed):
+        return LossReduction("mean", denominators=dens)
     if k.kind == "A" and len(dens) == 1 and not k.means:
         counter = _counter(gm, dens, dict(zip(signature.placeholders, signature.inputs)))
         if isinstance(counter, str):
@@ -256,6 +257,13 @@ def output_join(gm: fx.GraphModule, signature: GraphSignature, node: fx.Node,
         return LossReduction("unproven", node=node, why="a mean beside a ratio of sums over the "
                              "batch, or ratios of several: no weights of the micro-batches give it")
     return LossReduction("unproven", why="not reduced over the batch", node=node)
+
+
+def samples_apart(gm: fx.GraphModule, signature: GraphSignature, node: fx.Node) -> bool:
+    """Whether the analysis follows ``node`` without mixing the batch's samples (a mean, a sum, a
+    ratio of sums or a value the batch does not enter, however the pieces then join): on a step
+    captured at two rows, what proves an op along dim 0 keeps them apart at one row."""
+    return _kind_of(gm, signature, node, False).kind in ("U", "E", "A")
 
 
 def _kind_of(gm: fx.GraphModule, signature: GraphSignature, target: fx.Node, rows_proven: bool) -> Kind:

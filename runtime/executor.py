@@ -144,7 +144,8 @@ class _JointStep(torch.autograd.Function):
             loss = part if loss is None else loss + part
             others.append([out[i] for i in rank_graph.other_index])
         _save_grads(ctx, _as_parameters(sums, names, params))
-        return _with_others(ctx, loss, merge_micro_batches(others, rank_graph.other_join, shares))
+        merged = merge_micro_batches(others, rank_graph.other_join, shares)
+        return _with_others(ctx, loss, step_wide_outputs(rank_graph, merged))
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_others):
@@ -194,7 +195,7 @@ class _PipelineStep(torch.autograd.Function):
             grads.update(reduce_experts(mine, dp, owners, n_owners, owner_rank, sharded.__contains__,
                                         reduce_scatter=plan.reduce_scatter))
         _save_grads(ctx, _as_parameters(grads, names, params))
-        return _with_others(ctx, loss, others)
+        return _with_others(ctx, loss, step_wide_outputs(rank_graph, others))
 
     backward = staticmethod(_JointStep.backward)
 
@@ -207,7 +208,23 @@ def merge_micro_batches(others: list[list[torch.Tensor]], joins: list[OutputJoin
         return list(others[0])
     shares = shares or {}
     return [join_micro_batches(list(values), join.how, shares.get(k))
-            for k, (values, join) in enumerate(zip(zip(*others), joins))]
+            for k, (values, join) in enumerate(zip(zip(*others), joins, strict=True))]
+
+
+def step_wide_outputs(rank_graph: RankGraph, others: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs over the loss's normalisers (`OutputJoin.step_wide`: the runtime feeds those
+    step-wide, so a rank's value is d N_r / D, neither its slice's N_r / D_r nor the step's)
+    averaged over the ``dp`` data-parallel ranks: N / D, the step's value, as the loss is."""
+    if rank_graph.dp == 1 or not any(j.step_wide for j in rank_graph.other_join):
+        return others
+    out = []
+    for value, join in zip(others, rank_graph.other_join, strict=True):
+        if join.step_wide:
+            total = value.detach().to(torch.float64)
+            torch.distributed.all_reduce(total, group=rank_graph.dp_group)
+            value = (total / rank_graph.dp).to(value.dtype)
+        out.append(value)
+    return out
 
 
 def ratio_shares(joins: list[OutputJoin], user_inputs: tuple, buffers: dict, m: int) -> dict[int, torch.Tensor]:
@@ -240,7 +257,7 @@ def join_micro_batches(values: list[torch.Tensor], how: str,
         return stacked.sum(0).to(first.dtype)
     if how == "ratio":
         d = denominators.to(device=stacked.device, dtype=torch.float64)
-        parts = torch.where(d > 0, d * stacked.to(torch.float64), torch.zeros_like(d))
+        parts = torch.where(d != 0, d * stacked.to(torch.float64), torch.zeros_like(d))
         return (parts.sum() / d.sum()).to(first.dtype)
     if first.is_floating_point() or first.is_complex():
         return stacked.mean(0)

@@ -398,10 +398,13 @@ class OutputJoin:
     (`autopar.capture.outputs.output_joins` decides, `runtime.executor.join_micro_batches` runs):
     how "cat" (dim 0, the batch), "mean", "sum" or "ratio" (N / D of batch sums: the
     micro-batches' values weighted by their D_k / D); counter: for "ratio", the callable giving
-    a micro-batch's D from its user inputs and buffers (`passes.loss_reduction.Counter`)."""
+    a micro-batch's D from its user inputs and buffers (`passes.loss_reduction.Counter`);
+    step_wide: a "mean" over the loss's normalisers, which the runtime feeds step-wide, so that
+    it is, like the loss, the step's value once averaged over the data-parallel ranks."""
 
     how: str
     counter: object = None
+    step_wide: bool = False
 
 
 # The pipeline split (passes/pipeline_split.py) as the runtime (runtime/pipeline.py) runs it.

@@ -21,7 +21,7 @@ from torch import nn
 
 from autopar.capture.graph import TrainingGraph
 from autopar.errors import InputError
-from passes.loss_reduction import ONE_ROW, LossReduction, output_join
+from passes.loss_reduction import ONE_ROW, LossReduction, output_join, samples_apart
 from vocab.plan_types import GraphSignature, OutputJoin
 
 
@@ -39,22 +39,27 @@ def output_joins(model: nn.Module, graph: TrainingGraph, signature: GraphSignatu
     shape for ``micro_inputs`` with dim 0 times ``m``, or dim 0 is not the micro-batch's size).
     At one row per micro-batch an op along dim 0 is proven on the step captured at two rows
     (``two_rows``), as for the loss; ``fed``: the loss's normalisers the runtime feeds step-wide
-    (a ratio over them averages exactly)."""
+    (a value over them averages exactly, and is the step's value: ``step_wide``, also at
+    ``m`` = 1)."""
     tree = graph.output_tree
     if tree is None or not tree.tensor_leaves:
         return []
     micro = _captured_others(graph)
     joins = [OutputJoin("cat" if v.dim() > 0 else "mean") for v in micro]
-    if m == 1:
+    scalars = [k for k, v in enumerate(micro) if v.dim() == 0 and v.dtype != torch.bool]
+    if m == 1:  # nothing joined; a value over the fed normalisers is still made step-wide
+        for k in scalars if fed else ():
+            found = output_join(graph.gm, signature, _other_nodes(graph)[k], fed=fed)
+            joins[k] = OutputJoin("mean", step_wide=found.mode == "mean" and bool(found.denominators))
         return joins
     bad = [(k, "a 0-dim bool") for k, v in enumerate(micro) if v.dim() == 0 and v.dtype == torch.bool]
-    for k, v in enumerate(micro):
-        if v.dim() == 0 and v.dtype != torch.bool:
-            found = _scalar_join(graph, signature, k, two_rows, fed)
-            if found.mode == "unproven":
-                bad.append((k, f"a 0-dim value not proven a mean, a sum or a ratio of sums over the "
-                                f"batch: {found.why} ({found.where() or 'in the forward'})"))
-            joins[k] = OutputJoin(found.mode, found.counter)
+    for k in scalars:
+        found = _scalar_join(graph, signature, k, two_rows, fed)
+        if found.mode == "unproven":
+            bad.append((k, f"a 0-dim value not proven a mean, a sum or a ratio of sums over the "
+                            f"batch: {found.why} ({found.where() or 'in the forward'})"))
+        joins[k] = OutputJoin(found.mode, found.counter,
+                              step_wide=found.mode == "mean" and bool(found.denominators))
     shaped = [k for k, v in enumerate(micro) if v.dim() > 0]
     if shaped:
         from autopar.capture.joint import other_outputs_at
@@ -78,21 +83,16 @@ def output_joins(model: nn.Module, graph: TrainingGraph, signature: GraphSignatu
 def _scalar_join(graph: TrainingGraph, signature: GraphSignature, k: int,
                  two_rows: Callable[[], tuple[TrainingGraph, GraphSignature]] | None,
                  fed: frozenset) -> LossReduction:
-    """`output_join` of the ``k``-th other output, retried at two rows where one row is too few
-    (there the ratio's normalisers are not the fed nodes: any ratio counts as proven)."""
+    """`output_join` of the ``k``-th other output, retried at two rows where one row is too few:
+    if the step captured at two rows keeps the samples apart (`samples_apart`), its ops along
+    dim 0 are proven at one row too."""
     node = _other_nodes(graph)[k]
     found = output_join(graph.gm, signature, node, fed=fed)
     if found.mode == "unproven" and ONE_ROW in found.why and two_rows is not None:
         wider, wider_signature = two_rows()
-        wider_node = _other_nodes(wider)[k]
-        if _kind_proven(output_join(wider.gm, wider_signature, wider_node)):
+        if samples_apart(wider.gm, wider_signature, _other_nodes(wider)[k]):
             found = output_join(graph.gm, signature, node, rows_proven=True, fed=fed)
     return found
-
-
-def _kind_proven(found: LossReduction) -> bool:
-    """Whether the two-row analysis kept the samples apart (a ratio's why is not `ONE_ROW`)."""
-    return found.mode != "unproven" or ONE_ROW not in found.why
 
 
 def _other_nodes(graph: TrainingGraph) -> list[torch.fx.Node]:

@@ -210,6 +210,11 @@ def parallelize(
     # a ratio over the loss's normalisers reads the step-wide ones the runtime feeds
     fed = frozenset(reduction.denominators) if reduction is not None and reduction.mode == "global" else frozenset()
     joins = output_joins(model, graph, signature, micro_inputs, local_inputs, loss_fn, m, two_rows, fed)
+    if lay.cp > 1 and any(j.step_wide for j in joins):
+        raise InputError(
+            f"layout {lay.short()}: an output other than the loss divides by the loss's normaliser "
+            "(a copy of a cross-entropy loss), which under context parallelism is not made the "
+            "step's value; fix: return the loss alone (it is the step's), or use cp=1")
     # the passes of `rewrite.PASSES`, in order, each on its part of the plan; the plan is
     # never edited: what they find is the execution report pm.plan carries
     state = RankRewrite(gm=graph.gm, signature=signature, shapes=dict(graph.param_shapes),

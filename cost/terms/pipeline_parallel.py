@@ -71,7 +71,7 @@ def shared_host_factor(cluster: Cluster, lay: Layout,
     host's cores (local CPU ranks, `cost.cluster.HostShare`): a rank with nothing to do lends
     its cores to the busy ones. 1 on devices and without a pipeline.
 
-    The schedule runs slot by slot (1F1B's order; other schedules priced with its slots): of
+    The schedule runs slot by slot (1F1B's order, for every schedule): of
     n = m v + p - 1 slots (m micro-batches, p stages, v chunks per rank), stage i computes in
     slots i .. i + m v - 1, t_i / v seconds each (``stage_s``: seconds per micro-batch with
     every rank busy), its R / p ranks in step with it (R the host's ranks: the data-parallel
@@ -82,10 +82,11 @@ def shared_host_factor(cluster: Cluster, lay: Layout,
     slowest stage's t_i): where the fill and the drain leave cores idle, or a lighter stage
     waits for the slowest, the slowest computes faster, but only as fast as c cores allow; and
     a slot of lighter stages alone (the fill behind a light first stage) lasts as long as they
-    do, where the price's bubble counts every slot at t*.
+    do, where the price's bubble counts every slot at t*. A schedule whose price counts fewer
+    bubble slots (zero-bubble) keeps at least all its work on the C cores.
 
-    Without ``stage_s``: the least factor any stage times give, the slowest stage's m v slots
-    at c cores and no bubble, (m v / n) min(c, C / R) / min(c, C) (the search's lower bound,
+    Without ``stage_s``: a floor no stage times go below, the slowest stage's m v slots at c
+    cores and no bubble, (m v / n) min(c, C / R) / min(c, C) (the search's lower bound,
     `autopar.search.bound`).
 
     Measured (`python -m autopar bench runtime`, 4 gloo ranks on 2 cores): PP4's first rank
@@ -110,7 +111,11 @@ def shared_host_factor(cluster: Cluster, lay: Layout,
     for slot in range(slots):
         busy = sorted(t for i, t in enumerate(times) if i <= slot < i + m * v and t > 0.0)
         total += _shared_makespan(busy, per_stage, ranks, share.busy_speedup)
-    return total / (slots * slowest)
+    # a schedule priced with fewer bubble slots than 1F1B's (zero-bubble) keeps at least the
+    # wall time of all its work on the host's cores
+    all_busy_cores = min(share.threads_per_rank, share.cores / ranks)
+    work_s = m * v * sum(times) * per_stage * all_busy_cores / share.cores
+    return max(total / (slots * slowest), work_s / pipeline_time(slowest * v, 0.0, lay)[0])
 
 
 def _shared_makespan(work_s: list[float], per_stage: int, ranks: int,

@@ -195,9 +195,9 @@ def test_local_pipelines_priced_as_they_run(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_local_pipeline_handoff_waits_never_make_a_step_faster(tmp_path, monkeypatch, schedule):
-    """A peer descheduled at each hand-off (`HostShare.wait_per_compute`) waits on the step:
-    the price never falls as the wait grows, and the search's lower bound
-    (`autopar.search.bound`) stays below the price."""
+    """A peer descheduled at each hand-off (`HostShare.wait_per_compute`) waits on the step: the
+    price grows with the wait (the core-sharing factor does not depend on it), and the search's
+    lower bound (`autopar.search.bound`) stays below the price at every wait."""
     from autopar import models
     from autopar.search.bound import step_time_lower_bound
     from autopar.search.step import captured_step

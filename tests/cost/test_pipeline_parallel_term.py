@@ -89,3 +89,15 @@ def test_factor_between_its_floor_and_one_and_monotone(times, m, dp, cores, grow
     heavier = list(times)
     heavier[light] = min(times[light] + grow, max(times))
     assert shared_host_factor(cluster, lay, heavier) >= factor * (1 - 1e-12)
+
+
+def test_zero_bubble_keeps_all_its_work_on_the_cores():
+    """Zero-bubble prices a third of 1F1B's bubble slots; the fill's and drain's spare cores
+    cannot make its step shorter than its work on the host's cores: PP4, 8 micro-batches of 1
+    (all-busy) second per stage, 4 ranks on 2 cores: 8 x 4 x 0.5 core-seconds / 2 cores."""
+    from cost.terms.pipeline_parallel import pipeline_time
+
+    lay = _layout(pp=4, dp=1, m=8, schedule="zero-bubble")
+    factor = shared_host_factor(_host(), lay, [1.0] * 4)
+    assert pipeline_time(factor, 0.0, lay)[0] == pytest.approx(8.0)
+    assert shared_host_factor(_host(), lay) <= factor  # the search's floor still below

@@ -7,6 +7,8 @@ device's on this rank's slice of the batch (DDP's semantics; whole logits under 
 micro-batches' values concatenated, a float mean over the batch and a weight's norm averaged,
 a float sum over the batch and an int32 count summed, a loss over the labels a mask keeps
 weighted by each micro-batch's kept labels, each in its dtype, under a pipeline on every rank;
+a copy of the loss (over its normaliser, which counts labels the ranks ignore unevenly) is the
+step's value on every rank, as the loss is;
 gradients and SGD updates as on one device (only the loss is differentiated). Layouts
 dp=2 x grad_accum=2, tp=2 and pp=2 x grad_accum=2 on two gloo ranks (one spawn).
 """
@@ -45,7 +47,8 @@ class Own(nn.Module):
                 "hidden": self.emb(ids) * 2, "count": count,
                 "total": logits.pow(2).sum(),  # a float sum over the batch: summed
                 "norm": self.head.weight.norm(),  # no batch in it: alike in every micro-batch
-                "masked": self._masked_loss(logits, labels)}
+                "masked": self._masked_loss(logits, labels),
+                "copy": loss.detach() * 2}  # over the loss's normaliser: the step's, as the loss
 
     @staticmethod
     def _masked_loss(logits, labels):
@@ -60,6 +63,7 @@ def _batch(rows: int = 8, seq: int = 6):
     g = torch.Generator().manual_seed(7)
     ids, labels = torch.randint(0, V, (rows, seq), generator=g), torch.randint(0, V, (rows, seq), generator=g)
     labels[:2, :4] = 0  # the first micro-batch keeps fewer labels than the others
+    labels[0, :5] = -100  # ignored by the cross-entropy: its count differs over the dp ranks
     return ids, labels
 
 
@@ -98,6 +102,8 @@ def _check(make, batch, degrees: dict, label) -> list[tuple]:
     out = pm(*batch)
     with torch.no_grad():
         ref_loss, ref_slice = pytree.tree_leaves(ref(*batch))[_loss_leaf(ref(*batch))], ref(*mine)
+    if isinstance(ref_slice, dict) and "copy" in ref_slice:  # the step's value, as the loss
+        ref_slice = {**ref_slice, "copy": ref_loss * 2}
     failures = _same_outputs(out, ref_slice, ref_loss, _loss_leaf(ref_slice), label)
     return failures + train_and_compare(_Loss(pm), _Loss(ref), batch, label, steps=2, optimizers=(sgd,))
 

@@ -54,6 +54,8 @@ class Stats(nn.Module):
             return loss, right.mean() + masked
         if self.kind == "max":
             return loss, z.amax()
+        if self.kind == "max_rows":  # a max along dim 0: at one row per micro-batch a no-op
+            return loss, z.amax(0).sum()
         count = (z > 0).sum().to(torch.int32)
         return {"loss": loss, "logits": z, "count": count, "acc": right.mean(), "correct": right.sum(),
                 "norm": self.head.weight.norm(), "twice": loss.detach() * 2, "masked": masked}
@@ -77,14 +79,19 @@ def _batch(rows: int, seq: int = 6, vocab: int = V):
     return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)
 
 
-def _joins(model: nn.Module, micro: tuple, whole: tuple, m: int) -> list[str]:
+def _joins(model: nn.Module, micro: tuple, whole: tuple, m: int) -> list[OutputJoin]:
     """`output_joins` as `parallelize` calls it: with the loss's normalisers that the runtime
-    feeds step-wide (a cross-entropy's count of labels)."""
+    feeds step-wide (a cross-entropy's count of labels) and the step at two rows."""
     graph = capture(model, micro)
     signature = captured_signature(graph)
     reduction = for_layout(analyze_loss(graph.gm, signature), tp=1, pp=1)
     fed = frozenset(reduction.denominators) if reduction.mode == "global" else frozenset()
-    return output_joins(model, graph, signature, micro, whole, None, m, fed=fed)
+
+    def two_rows():
+        wider = capture(model, tuple(x[:2] for x in whole))
+        return wider, captured_signature(wider)
+
+    return output_joins(model, graph, signature, micro, whole, None, m, two_rows, fed)
 
 
 def _check(model: nn.Module, rows: int, m: int, vocab: int = V) -> list[str]:
@@ -99,6 +106,8 @@ def test_per_sample_outputs_and_scalars_join():
     joins = _check(Stats("dict"), rows=4, m=2)
     assert [j.how for j in joins] == ["cat", "sum", "mean", "sum", "mean", "mean", "ratio"]
     assert joins[-1].counter is not None
+    # only the copy of the loss reads its normaliser: the step's value once averaged over dp
+    assert [j.step_wide for j in joins] == [False] * 5 + [True, False]
     assert [j.how for j in _check(ZooWithLogits(stat=False), rows=4, m=2, vocab=128)] == ["cat", "mean"]
 
 
@@ -134,6 +143,8 @@ def test_the_joins_give_the_whole_batch_values():
     (lambda: Stats("mean_and_ratio"), 4, "output[1], a 0-dim value not proven a mean, a sum or "
                                          "a ratio of sums over the batch: a mean beside a ratio"),
     (lambda: Stats("max"), 4, "output[1], a 0-dim value not proven a mean, a sum or a ratio"),
+    # one row per micro-batch: the step at two rows shows the max mixes the samples
+    (lambda: Stats("max_rows"), 2, "output[1], a 0-dim value not proven a mean, a sum or a ratio"),
 ])
 def test_outputs_that_do_not_join_are_refused(make, rows, what):
     model = make()
