@@ -3,6 +3,8 @@ and the parameters each pipeline stage holds."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from cost.cluster import Cluster
 from cost.step_facts import StepFacts
 from vocab.layout import Layout
@@ -29,6 +31,14 @@ def comm_overlap(cluster: Cluster) -> float:
     DP there where full overlap predicted it 3 % faster.
     """
     return 0.0 if cluster.gpu.is_cpu else 1.0
+
+
+def exposed_beside(transfer, compute, cluster: Cluster):
+    """Seconds a transfer of ``transfer`` seconds adds beside ``compute`` seconds it may hide
+    behind (floats or arrays): h = min(transfer, `comm_overlap` x compute) of it hidden, each
+    hidden second costing `CostParams.overlap_slowdown` s, so transfer - h + s h."""
+    hidden = np.minimum(transfer, comm_overlap(cluster) * compute)
+    return transfer - hidden + cluster.params.overlap_slowdown * hidden
 
 
 def zero_reduction(cluster: Cluster) -> str:

@@ -8,7 +8,7 @@ from cost.cluster import Cluster
 from cost.comm import axis_group, collective_time
 from cost.compute import MATMUL_OUT_BYTES
 from cost.step_facts import StepFacts
-from cost.terms.common import comm_overlap
+from cost.terms.common import exposed_beside
 from cost.terms.compute import node_stages
 from vocab.layout import Layout
 
@@ -27,9 +27,9 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
     with the attention of the block in hand. With the sequence load-balanced (``cp_balance``:
     rank r holds chunks r and 2cp-1-r of 2cp) every step costs every rank the same attention,
     a / cp of the rank's attention time a (forward; 2 a backward). With c one K/V transfer and
-    x(c, w) = c - h + s h the part of a transfer left beside w seconds of compute, h = min(c, o w)
-    of it hidden (o: `comm_overlap`, 0 on CPU ranks; each hidden second costs s =
-    `CostParams.overlap_slowdown`, as every overlapped collective does):
+    x(c, w) = c - h + s h the part of a transfer left beside w seconds of compute
+    (`exposed_beside`), h = min(c, o w) of it hidden (o: `comm_overlap`, 0 on CPU ranks; each
+    hidden second costs s = `CostParams.overlap_slowdown`, as every overlapped collective does):
 
         forward    (cp - 1) x(c, a / cp)
         backward   (cp - 1) x(c, 2 a / cp) + cp g   (dK/dV follow their block, not overlapped)
@@ -70,16 +70,10 @@ def cp_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, times: np.ndarra
                             + cluster.params.p2p_overhead_s for k in kv_local])
                   for f in (1.0, grad_scale))
     per_step = times[att] / cp
-    exposed = ((cp - 1) * (_beside(step, per_step, cluster) + _beside(step, 2 * per_step, cluster))
-               + cp * grad)
+    exposed = ((cp - 1) * (exposed_beside(step, per_step, cluster)
+                           + exposed_beside(step, 2 * per_step, cluster)) + cp * grad)
     if not lay.cp_balance:
         exposed = exposed + (cp - 1) / cp * ATTENTION_FWD_BWD_OVER_FWD * times[att]
     np.add.at(exposed_per_stage, node_stages(facts, cluster, lay)[att], exposed)
     return exposed_per_stage
-
-
-def _beside(transfer: np.ndarray, compute: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """Seconds a transfer adds beside ``compute`` seconds it may hide behind (the docstring's x)."""
-    hidden = np.minimum(transfer, comm_overlap(cluster) * compute)
-    return transfer - hidden + cluster.params.overlap_slowdown * hidden
 

@@ -8,7 +8,7 @@ from cost.cluster import Cluster
 from cost.comm import Group, axis_group, collective_time
 from cost.pipeline import pipeline_step_time
 from cost.step_facts import StepFacts
-from cost.terms.common import comm_overlap
+from cost.terms.common import exposed_beside
 from cost.terms.compute import virtual_stages
 from vocab.layout import Layout
 
@@ -48,9 +48,7 @@ def p2p_exposed(facts: StepFacts, cluster: Cluster, lay: Layout, p2p_s: float,
     overlapped collective does."""
     if not facts.p2p_hidden or lay.pp == 1 or lay.virtual_stages == 1:
         return p2p_s
-    transfers = 2 * lay.virtual_stages
-    hidden = min(p2p_s, comm_overlap(cluster) * stage_s / transfers)
-    return p2p_s - hidden + cluster.params.overlap_slowdown * hidden
+    return float(exposed_beside(p2p_s, stage_s / (2 * lay.virtual_stages), cluster))
 
 
 def pipeline_time(slowest_stage_s: float, p2p_s: float, lay: Layout) -> tuple[float, float]:
