@@ -9,6 +9,7 @@ import pytest
 from autopar.calibrate.runs import RunsError
 from bench.published import (
     LOSO,
+    ORACLE,
     TARGETS,
     PublishedPricer,
     format_published_bench,
@@ -187,7 +188,14 @@ def test_leave_one_source_out_bench(tmp_path):
         assert src not in fold["fitted_on"] and len(fold["fitted_on"]) == 2
         assert all(p["lower"] <= p["value"] <= p["upper"] for p in fold["parameters"].values())
     assert set(result["table"]) == {"textbook", "autopar (shipped profiles)",
-                                    "autopar (playbook fit)", LOSO, "autopar (fit on all sources)"}
+                                    "autopar (playbook fit)", LOSO, "autopar (fit on all sources)",
+                                    ORACLE}
+    # each source's four runs are one chain whose throughput falls with the GPU count: the
+    # oracle is the measurements themselves
+    assert result["chains"] == {"count": 3, "rising": []}
+    oracle = result["table"][ORACLE]["all"]
+    assert oracle["median_error"] == 0.0 and oracle["spearman_worst_group"] == pytest.approx(1.0)
+    assert result["checks"]["spearman_worst_group"]["oracle_ok"]
     held = result["table"][LOSO]
     assert set(held) == {"Src A", "Src B", "Src C", "all"} and held["all"]["runs"] == 12
     assert len(held["all"]["groups"]) == 3
@@ -197,7 +205,7 @@ def test_leave_one_source_out_bench(tmp_path):
     assert result["regimes"]["stated in full"]["runs"] == 12
     text = format_published_bench(result)
     for needle in ("(held out)", "(in-sample)", "skipped rows", "fitted without Src A",
-                   "acceptance of issue 27", "by regime"):
+                   "acceptance of issue 27", "by regime", "3 chains", "[+1.00]"):
         assert needle in text
 
 
