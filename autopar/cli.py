@@ -389,6 +389,11 @@ def _benches() -> dict | None:
     return importlib.import_module("bench").BENCHES
 
 
+# the options only some benchmarks read: any other would ignore them
+_BENCH_OPTIONS = {"runs": ("playbook", "published"), "measured": ("block-check",),
+                  "calibration": ("runtime",)}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     benches = _benches()
     if benches is None:
@@ -397,7 +402,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          "there and run `autopar bench ...` (or `python -m autopar bench ...`)")
     if args.what not in benches:
         raise InputError(f"no benchmark {args.what!r}; fix: one of {', '.join(sorted(benches))}")
-    result, table = benches[args.what](args)
+    for option, takers in _BENCH_OPTIONS.items():
+        if getattr(args, option, None) and args.what not in takers:
+            raise InputError(f"bench {args.what} takes no --{option}; fix: drop it (it is for "
+                             f"bench {' and '.join(takers)})")
+    from autopar.calibrate.runs import RunsError
+
+    try:
+        result, table = benches[args.what](args)
+    except RunsError as exc:  # a runs file it cannot use: the message names the row and fix
+        raise InputError(f"{exc}") from None
     print(table)
     _write_json(args.json or f"results/bench-{args.what}.json", result)
     return 0
@@ -582,7 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measured", help="block-check: JSON written by examples/gpu_block_check.py")
     p.add_argument("--calibration", help="runtime: predict with this `autopar calibrate` file "
                    "(default: calibrate now, with the bench's ranks)")
-    p.add_argument("--runs", help="playbook: a runs CSV (default: the playbook's 1B/8B runs)")
+    p.add_argument("--runs", help="playbook: a runs CSV (default: the playbook's 1B/8B runs); "
+                   "published: a published-runs CSV (default: the calibration file, "
+                   "bench/data/published-runs-calibration.csv)")
     p.add_argument("--json", help="where to write the results (default results/bench-WHAT.json)")
     p.set_defaults(func=cmd_bench)
     return parser

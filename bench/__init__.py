@@ -45,7 +45,7 @@ BENCHES: dict[str, Bench] = {
                       lambda a: {"path": a.runs, "quick": a.quick}),
     "fp8": Bench("bench.fp8", "run_fp8_bench", "format_fp8_bench", _quick),
     "published": Bench("bench.published", "run_published_bench",
-                       "format_published_bench", _quick),
+                       "format_published_bench", lambda a: {"path": a.runs, "quick": a.quick}),
     "recompute": Bench("bench.recompute", "run_recompute_bench",
                        "format_recompute_bench", _quick),
     "overlap-probe": Bench("bench.overlap_probe", "run_overlap_probe", "format_overlap_probe",

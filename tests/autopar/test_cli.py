@@ -278,3 +278,17 @@ def test_bench_names_the_fix_where_the_benchmarks_are_not_installed(capsys, monk
     assert main(["bench", "runtime"]) == 2
     err = capsys.readouterr().err
     assert "bench/ folder" in err and "fix: clone the repository" in err
+
+
+def test_bench_refuses_an_option_the_benchmark_would_ignore(capsys, tmp_path):
+    assert main(["bench", "runtime", "--runs", str(tmp_path / "runs.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "bench runtime takes no --runs" in err and "bench playbook and published" in err
+    assert main(["bench", "solver", "--calibration", "x.json"]) == 2
+    assert "fix: drop it" in capsys.readouterr().err
+
+
+def test_bench_published_reads_the_runs_file_it_is_given(capsys, tmp_path):
+    # a file that does not exist is named, not replaced by the shipped one
+    assert main(["bench", "published", "--runs", str(tmp_path / "other.csv")]) == 2
+    assert "other.csv" in capsys.readouterr().err
