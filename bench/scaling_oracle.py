@@ -11,10 +11,9 @@ GPUs shows what no such model can price: noise, or a difference the source did n
 The oracle knows every measurement, but prices each chain at the closest non-increasing
 sequence: the least-squares isotonic fit of its measurements in GPU-count order (rising runs
 pooled at their mean, repeats of one GPU count alike; a run without a chain: its own
-measurement). Its Spearman inside a
-group of runs is about a ceiling for a model that prices scaling monotonically: a target it
-misses asks the model to foresee the measurements' noise (as `bench.twin_oracle` shows for the
-playbook's ZeRO twins).
+measurement). Its Spearman inside a group of runs is about a ceiling for a model that prices
+scaling monotonically: a target it misses asks the model to foresee the measurements' noise
+(as `bench.twin_oracle` shows for the playbook's ZeRO twins).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def non_increasing(values: Sequence[float], weights: Sequence[float] | None = No
     """The (weighted) least-squares non-increasing fit of ``values`` (pool adjacent violators:
     a value above the block before it is pooled with it, at their weighted mean)."""
     weights = [1.0] * len(values) if weights is None else weights
-    blocks: list[list[float]] = []  # [weighted sum, weight, values pooled]
+    blocks: list[list] = []  # [weighted sum, weight, number of values pooled]
     for v, w in zip(values, weights, strict=True):
         blocks.append([float(v) * w, float(w), 1])
         while len(blocks) > 1 and blocks[-1][0] / blocks[-1][1] > blocks[-2][0] / blocks[-2][1]:
