@@ -21,7 +21,11 @@ What it guarantees, because a hung CI job is worse than a failed one:
   so a rank waiting on a silent peer raises instead of waiting for torch's 30-minute default;
 - a global ``timeout_s`` bounds the whole launch and names the ranks that had not finished;
 - the port race (another process grabbing the port between our probe and the TCP store's
-  bind) is retried once with a fresh port.
+  bind) is retried once with a fresh port;
+- where a rank times out waiting for a peer that is alive and silent (a collective the peer
+  never reached: ranks out of step), the peer prints every thread's Python stack to stderr
+  (`faulthandler`, on SIGUSR1) before it is terminated, and the error says so: the report
+  names where each rank was.
 
 Each child pipe carries exactly one message: ``("ok", value)`` or ``("error", phase, text,
 summary)``, where ``summary`` is the exception's type and message without the traceback.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -54,6 +59,8 @@ __all__ = [
 # How long ranks get to exit on their own after reporting success (they only have to destroy
 # the process group) before they are killed.
 _JOIN_GRACE_S = 10.0
+# How long the live ranks get to print their stacks before they are terminated.
+_STACKS_WAIT_S = 1.0
 # How long a SIGTERM'd rank gets before SIGKILL.
 _TERMINATE_GRACE_S = 2.0
 # Collective (and rendezvous) timeout of every process group a rank creates, unless the caller
@@ -242,6 +249,8 @@ def _worker(
     # The parent already exported env before starting us (so the OpenMP runtime saw it at load
     # time); setting it again covers variables a caller reads lazily through os.environ.
     os.environ.update(env)
+    if hasattr(signal, "SIGUSR1"):  # where this rank is, on request (`_print_stacks`)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     phase = "init"
     try:
         import torch
@@ -465,7 +474,27 @@ def _raise_failure(errors: list[tuple[int, str, str, str]], unfinished: list[int
         if dead is not None:
             code = procs[dead].exitcode
             raise RankFailedError(dead, _describe_death(code), code)
+        asked = _print_stacks(procs, quiet)
+        if asked:
+            text += (f"\n(ranks {asked} were alive and had not reported: each printed every "
+                     "thread's Python stack to stderr above, where it was when this rank gave up)")
     raise RankFailedError(rank, text, summary=summary)
+
+
+def _print_stacks(procs: list[mp.process.BaseProcess], ranks: list[int]) -> list[int]:
+    """Ask the live ones of ``ranks`` to print their threads' Python stacks to stderr (SIGUSR1,
+    `faulthandler`); the ranks asked, after a moment for them to write."""
+    if not hasattr(signal, "SIGUSR1"):
+        return []
+    asked = []
+    for r in ranks:
+        if procs[r].is_alive() and procs[r].pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(procs[r].pid, signal.SIGUSR1)
+                asked.append(r)
+    if asked:
+        time.sleep(_STACKS_WAIT_S)
+    return asked
 
 
 def default_collective_timeout_s() -> float:

@@ -58,6 +58,12 @@ def _sleep_on_rank1(rank: int, world_size: int) -> int:
     return rank
 
 
+def _lingering_rank1(rank: int, world_size: int) -> None:
+    if rank == 1:  # alive and out of step: its peer's collective times out first
+        time.sleep(60)
+    dist.barrier()
+
+
 def _killed_on_rank1(rank: int, world_size: int) -> None:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -187,6 +193,14 @@ def test_stopped_rank_without_the_watch_ends_at_the_collective_timeout() -> None
     err = _launch_fails(_stopped_on_rank1, 2, collective_timeout_s=8, stopped_grace_s=None)
     assert err.rank == 1, err
     assert "stopped" in err.summary
+
+
+def test_a_silent_live_peer_prints_where_it_is(capfd: pytest.CaptureFixture) -> None:
+    # rank 0's barrier times out (5 s) while rank 1 is alive elsewhere: rank 1's stack shows
+    # where, so a hang out of step names its place
+    err = _launch_fails(_lingering_rank1, 2, collective_timeout_s=5)
+    assert err.rank == 0 and "ranks [1] were alive" in str(err)
+    assert "_lingering_rank1" in capfd.readouterr().err
 
 
 def test_default_timeouts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
