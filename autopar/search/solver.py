@@ -127,9 +127,9 @@ def candidate_layouts(
 # Pipelines are not searched on CPU ranks (a manual pp layout is still priced and runs). The
 # price runs the schedule slot by slot, the busy ranks of a slot sharing the cores the others
 # leave (`shared_host_factor`), and charges each transfer the overhead `autopar calibrate`
-# measures on loaded ranks, but PP2 x DP2 is still priced 2-3 % faster than DP where it
-# measures 1-6 % slower (`python -m autopar bench runtime`): searched, a pipeline could win
-# on a difference smaller than the price's error.
+# measures on loaded ranks, but PP2 x DP2 is priced 0.97-1.04x DP's step where it measures
+# 1.01-1.06x (`python -m autopar bench runtime`): searched, a pipeline could win on a
+# difference smaller than the price's error.
 
 
 def search(

@@ -90,7 +90,7 @@ def shared_host_factor(cluster: Cluster, lay: Layout,
     Measured (`python -m autopar bench runtime`, 4 gloo ranks on 2 cores): PP4's first rank
     computes no faster than with every rank busy, and PP2 x DP2 measures 1.01-1.06x DP's step:
     the bubble's idle cores spread evenly over every slot priced it 0.93-0.96x DP's (the
-    fastest layout), these slots 0.97-0.99x; PP4 measures 1.06-1.12x DP's, priced 1.15-1.22x.
+    fastest layout), these slots 0.97-1.04x; PP4 measures 1.06-1.12x DP's, priced 1.15-1.25x.
     """
     share = cluster.host_share
     if lay.pp == 1 or share is None:
